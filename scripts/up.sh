@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Start the stack on a fresh machine: prepare .env, a first API key and the secrets folder,
+# build the local images when the mode needs them, then `docker compose up --wait`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+usage() {
+    cat <<'USAGE'
+usage: scripts/up.sh [--gpu | --airgap | --cpu]
+
+  --gpu      GPU host that can pull the official images (default)
+  --airgap   GPU host without registry access: builds every image locally first
+  --cpu      no GPU: vLLM's CPU build serving a tiny made-up model, all images built locally
+
+The mode is written into .env (COMPOSE_FILE) the first time, so later plain
+`docker compose ps|logs|down` commands use the same files.
+USAGE
+}
+
+mode=gpu
+case "${1:-}" in
+    ""|--gpu) mode=gpu ;;
+    --airgap) mode=airgap ;;
+    --cpu) mode=cpu ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "up.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
+esac
+case $mode in
+    gpu) compose_file=compose.yaml ;;
+    airgap) compose_file=compose.yaml:compose.airgap.yaml ;;
+    cpu) compose_file=compose.yaml:compose.airgap.yaml:compose.cpu.yaml ;;
+esac
+
+scripts/install-compose.sh
+
+if [[ ! -f .env ]]; then
+    sed "s|^COMPOSE_FILE=.*|COMPOSE_FILE=$compose_file|" .env.example > .env
+    echo "Wrote .env for the $mode mode; edit it to change the model or limits." >&2
+fi
+set -a; source .env; set +a
+if [[ "$COMPOSE_FILE" != "$compose_file" ]]; then
+    echo "up.sh: .env has COMPOSE_FILE=$COMPOSE_FILE; starting the $mode mode ($compose_file) for this run" >&2
+    export COMPOSE_FILE=$compose_file
+fi
+
+mkdir -p secrets "${MODELS_DIR:-./models}"
+chmod 700 secrets
+[[ -f "${HF_TOKEN_FILE:-./secrets/hf_token}" ]] || install -m 600 /dev/null "${HF_TOKEN_FILE:-./secrets/hf_token}"
+keys_file=${API_KEYS_FILE:-./secrets/api_keys}
+if [[ ! -s "$keys_file" ]] || ! grep -q '^sk-' "$keys_file"; then
+    key=$(python3 scripts/apikeys.py --file "$keys_file" --no-reload create admin)
+    echo "Created the first API key (owner 'admin'); it is shown only now: $key" >&2
+fi
+
+if [[ $mode != gpu ]]; then
+    python3 scripts/build_images.py --variant "$([[ $mode == cpu ]] && echo cpu || echo gpu)"
+fi
+
+started=$(date +%s)
+docker compose up -d --wait
+echo "Stack healthy after $(( $(date +%s) - started ))s. Try:" >&2
+echo "  curl -N http://localhost:${GATEWAY_PORT:-8080}/v1/chat/completions -H \"Authorization: Bearer \$KEY\" \\" >&2
+echo "       -H 'Content-Type: application/json' -d '{\"model\": \"<served model>\", \"stream\": true, \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'" >&2

@@ -1,0 +1,121 @@
+"""Bring the real stack up with testcontainers, on the CPU path, for integration tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+from testcontainers.compose import DockerCompose
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CPU_COMPOSE_FILES = ["compose.yaml", "compose.airgap.yaml", "compose.cpu.yaml"]
+KEY_OWNERS = ("alice", "bob", "burst", "streams")
+# Tight limits so the tests can reach them quickly; everything else is the shipped default.
+TEST_SETTINGS = {
+    "GATEWAY_BIND_ADDRESS": "127.0.0.1",
+    "RATE_LIMIT_PER_KEY": "20r/s",
+    "RATE_LIMIT_BURST": "20",
+    "MAX_CONCURRENT_REQUESTS_PER_KEY": "8",
+    "MAX_REQUEST_BODY_SIZE": "64k",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.project = f"llmstack-test-{uuid.uuid4().hex[:8]}"
+        self.port = free_port()
+        self.keys: dict[str, str] = {}
+        files = os.environ.get("LLM_STACK_COMPOSE_FILES", ":".join(CPU_COMPOSE_FILES)).split(":")
+        self.env_file = workdir / "stack.env"
+        self.compose = DockerCompose(REPO_ROOT, compose_file_name=files, env_file=str(self.env_file),
+                                     wait=True, build=False, pull=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def auth(self, owner: str = "alice") -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[owner]}"}
+
+    def prepare(self) -> None:
+        secrets_dir = self.workdir / "secrets"
+        secrets_dir.mkdir(mode=0o700)
+        keys_file = secrets_dir / "api_keys"
+        for owner in KEY_OWNERS:
+            # The real helper script makes the keys, as a user would.
+            result = subprocess.run(
+                [sys.executable, str(REPO_ROOT / "scripts" / "apikeys.py"), "--file", str(keys_file),
+                 "--no-reload", "create", owner], capture_output=True, text=True, check=True)
+            self.keys[owner] = result.stdout.strip()
+        hf_token = secrets_dir / "hf_token"
+        hf_token.touch(mode=0o600)
+        models = self.workdir / "models"
+        models.mkdir()
+        settings = {"API_KEYS_FILE": str(keys_file), "HF_TOKEN_FILE": str(hf_token),
+                    "MODELS_DIR": str(models), "GATEWAY_PORT": str(self.port), **TEST_SETTINGS}
+        self.env_file.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
+
+    def compose_command(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+        command = [*self.compose.compose_command_property, *args]
+        return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=check,
+                              timeout=timeout, env=self.environment())
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, "COMPOSE_PROJECT_NAME": self.project}
+
+    def start(self) -> None:
+        os.environ["COMPOSE_PROJECT_NAME"] = self.project
+        self.prepare()
+        self.compose.start()
+
+    def stop(self) -> None:
+        self.compose_command("down", "--volumes", "--timeout", "10", check=False, timeout=300)
+
+    def exec(self, service: str, *command: str, timeout: float = 60) -> str:
+        return self.compose_command("exec", "-T", service, *command, timeout=timeout).stdout
+
+    def vllm_get(self, path: str) -> str:
+        """GET a path on vLLM directly, from inside its container (its port is not published)."""
+        script = ("import sys, urllib.request; "
+                  f"sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:8000{path}', timeout=10).read().decode())")
+        return self.exec("vllm", "python3", "-c", script)
+
+    def vllm_metric(self, name: str) -> float:
+        """Sum of a vLLM metric's samples (all label sets)."""
+        total, seen = 0.0, False
+        for line in self.vllm_get("/metrics").splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+                seen = True
+        if not seen:
+            raise KeyError(f"vLLM exports no metric {name}")
+        return total
+
+    def nginx_access_log(self) -> list[dict]:
+        lines = self.compose_command("logs", "--no-color", "--no-log-prefix", "nginx").stdout.splitlines()
+        entries = []
+        for line in lines:
+            line = line.strip()
+            if line.startswith("{"):
+                entries.append(json.loads(line))
+        return entries
+
+    def diagnostics(self) -> str:
+        ps = self.compose_command("ps", "-a", check=False).stdout
+        logs = self.compose_command("logs", "--no-color", "--timestamps", check=False, timeout=300)
+        return f"== docker compose ps\n{ps}\n== docker compose logs\n{logs.stdout}{logs.stderr}"
