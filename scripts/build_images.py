@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -48,6 +47,13 @@ class ImageBuild:
     args: dict[str, str] = field(default_factory=dict)
 
 
+def build_args(args: dict | list | None) -> dict[str, str]:
+    """Build args as compose writes them: a mapping, or (uninterpolated) a list of KEY=VALUE."""
+    if isinstance(args, list):
+        return dict(item.split("=", 1) if "=" in item else (item, "") for item in args)
+    return {k: "" if v is None else str(v) for k, v in (args or {}).items()}
+
+
 def plan_builds(compose_config: dict) -> list[ImageBuild]:
     """The image builds a merged compose config asks for, one per distinct image name."""
     builds: dict[str, ImageBuild] = {}
@@ -59,7 +65,7 @@ def plan_builds(compose_config: dict) -> list[ImageBuild]:
         if not image:
             raise BuildError(f"service {name} has a build section but no image name to tag")
         context = build.get("context", ".")
-        args = {k: "" if v is None else str(v) for k, v in (build.get("args") or {}).items()}
+        args = build_args(build.get("args"))
         builds.setdefault(image, ImageBuild(name, image, build.get("dockerfile", "Dockerfile"),
                                             context, args))
     return list(builds.values())
@@ -70,15 +76,13 @@ def base_images(builds: list[ImageBuild]) -> list[str]:
 
 
 def compose_config(files: list[str]) -> dict:
-    env = dict(os.environ)
-    # Rendering the config needs the required secret variables set; builds never read them.
-    env.setdefault("API_KEYS_FILE", "/dev/null")
     command = ["docker", "compose"]
     for f in files:
         command += ["-f", str(REPO_ROOT / f)]
-    command += ["config", "--format", "json"]
+    # Uninterpolated: builds need no settings, so a machine without .env or secrets can build.
+    command += ["config", "--no-interpolate", "--format", "json"]
     try:
-        result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     except OSError as err:
         raise BuildError(f"cannot run docker: {err.strerror}") from err
     if result.returncode != 0:

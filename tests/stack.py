@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from testcontainers.compose import DockerCompose
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CPU_COMPOSE_FILES = ["compose.yaml", "compose.airgap.yaml", "compose.cpu.yaml"]
-KEY_OWNERS = ("alice", "bob", "burst", "streams")
+KEY_OWNERS = ("alice", "bob", "burst", "streams", "loadtest")
 # Tight limits so the tests can reach them quickly; everything else is the shipped default.
 TEST_SETTINGS = {
     "GATEWAY_BIND_ADDRESS": "127.0.0.1",
@@ -38,9 +39,11 @@ class Stack:
         self.port = free_port()
         self.keys: dict[str, str] = {}
         files = os.environ.get("LLM_STACK_COMPOSE_FILES", ":".join(CPU_COMPOSE_FILES)).split(":")
+        # A developer may start part of the stack, e.g. LLM_STACK_SERVICES=nginx,vllm.
+        services = [s for s in os.environ.get("LLM_STACK_SERVICES", "").split(",") if s] or None
         self.env_file = workdir / "stack.env"
         self.compose = DockerCompose(REPO_ROOT, compose_file_name=files, env_file=str(self.env_file),
-                                     wait=True, build=False, pull=False)
+                                     wait=True, build=False, pull=False, services=services)
 
     @property
     def base_url(self) -> str:
@@ -64,9 +67,26 @@ class Stack:
             self.keys[owner] = result.stdout.strip()
         hf_token = secrets_dir / "hf_token"
         hf_token.touch(mode=0o600)
+        self.passwords = {name: secrets.token_urlsafe(16) for name in ("grafana", "prometheus", "locust")}
+        grafana_password = secrets_dir / "grafana_admin_password"
+        grafana_password.write_text(self.passwords["grafana"] + "\n")
+        htpasswd_files = {}
+        for name in ("prometheus", "locust"):
+            hashed = subprocess.run(["openssl", "passwd", "-6", "-stdin"], input=self.passwords[name],
+                                    capture_output=True, text=True, check=True).stdout.strip()
+            htpasswd_files[name] = secrets_dir / f"{name}_htpasswd"
+            htpasswd_files[name].write_text(f"admin:{hashed}\n")
+        loadtest_key = secrets_dir / "loadtest_api_key"
+        loadtest_key.write_text(self.keys["loadtest"] + "\n")
+        for secret in (grafana_password, loadtest_key, *htpasswd_files.values()):
+            secret.chmod(0o644)  # read by non-root users inside the containers; the folder is 700
         models = self.workdir / "models"
         models.mkdir()
         settings = {"API_KEYS_FILE": str(keys_file), "HF_TOKEN_FILE": str(hf_token),
+                    "GRAFANA_ADMIN_PASSWORD_FILE": str(grafana_password),
+                    "PROMETHEUS_HTPASSWD_FILE": str(htpasswd_files["prometheus"]),
+                    "LOCUST_HTPASSWD_FILE": str(htpasswd_files["locust"]),
+                    "LOADTEST_API_KEY_FILE": str(loadtest_key),
                     "MODELS_DIR": str(models), "GATEWAY_PORT": str(self.port), **TEST_SETTINGS}
         self.env_file.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
 

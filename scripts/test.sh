@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Run every test on a fresh machine: installs what is missing (Compose v2, mmdebstrap, the test
+# dependencies in .venv), builds the images of the CPU/air-gapped path, then runs pytest against
+# the real stack. Arguments go to pytest (e.g. scripts/test.sh tests/unit -x).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+    sed -n '2,4p' "$0" | sed 's/^# //'
+    exit 0
+fi
+
+phase_started=$(date +%s)
+phase() {
+    local now; now=$(date +%s)
+    echo "== $1 (previous phase took $((now - phase_started))s)" >&2
+    phase_started=$now
+}
+run_started=$phase_started
+
+phase "tools: Docker Compose v2, mmdebstrap"
+scripts/install-compose.sh
+if ! command -v mmdebstrap >/dev/null; then
+    if [[ $(id -u) -eq 0 ]]; then
+        apt-get update -qq && apt-get install -y -qq mmdebstrap >/dev/null
+    else
+        echo "test.sh: mmdebstrap is missing; install it (sudo apt-get install mmdebstrap)" >&2
+        exit 1
+    fi
+fi
+
+phase "test dependencies (.venv)"
+[[ -x .venv/bin/python ]] || python3 -m venv .venv
+.venv/bin/pip install --quiet --disable-pip-version-check -r tests/requirements.txt
+
+phase "images (scripts/build_images.py --variant cpu)"
+python3 scripts/build_images.py --variant cpu
+
+phase "tests (pytest)"
+export TESTCONTAINERS_RYUK_DISABLED=true
+status=0
+.venv/bin/python -m pytest "$@" || status=$?
+phase "done in $(( $(date +%s) - run_started ))s, pytest exit code $status"
+exit $status
