@@ -1,0 +1,64 @@
+"""Parsing vLLM's startup log lines and Prometheus text, as the lab scripts read them."""
+
+from __future__ import annotations
+
+from lablib import cache_config_labels, label_number, metric_sum, parse_prometheus, parse_startup_log
+
+# Lines as vLLM 0.32.0 (CPU build) and the GPU build print them (the GPU lines are the lab's).
+CPU_LOG = """\
+(APIServer pid=1) INFO 12-03 07:56:08 [api_utils.py:347]  ▄▄ ▄█ █     █     █ ▀▄▀ █  version 0.32.0
+(Worker pid=131) INFO 12-03 08:02:18 [base_loader.py:82] Initializing model took 0.566123 seconds
+(Worker pid=131) INFO 12-03 08:02:20 [cpu_worker.py:260] Explicitly set (1.0/23.54) GiB for KV cache on node 0.
+(EngineCore pid=100) INFO 12-03 08:02:20 [kv_cache_utils.py:2327] CPU KV cache size: 2,097,152 tokens, \
+Maximum concurrency for 4,096 tokens per request: 512.00x
+"""
+GPU_LOG = """\
+(Worker pid=9) INFO [gpu_model_runner.py:5150] Model loading took 1.72 GiB memory and 0.720000 seconds
+(Worker pid=9) INFO [gpu_worker.py:760] Available KV cache memory: 3.06 GiB
+(Worker pid=9) INFO [gpu_worker.py:972] CUDA graph pool memory: 0.42 GiB (actual), 0.45 GiB (estimated)
+(EngineCore pid=5) INFO [kv_cache_utils.py:2327] GPU KV cache size: 183,202 tokens, \
+Maximum concurrency for 4,096 tokens per request: 44.73x
+"""
+
+
+def test_cpu_startup_log():
+    facts = parse_startup_log(CPU_LOG)
+    assert facts["vllm_version"] == "0.32.0"
+    assert facts["kv_cache_device"] == "CPU"
+    assert facts["kv_cache_tokens"] == 2_097_152
+    assert facts["max_concurrency"] == 512.0 and facts["max_concurrency_tokens"] == 4096
+    assert facts["cpu_kv_gib"] == 1.0 and facts["cpu_total_gib"] == 23.54
+    assert facts["model_init_seconds"] == 0.566123
+    assert "model_loading_gib" not in facts
+
+
+def test_gpu_startup_log():
+    facts = parse_startup_log(GPU_LOG)
+    assert facts["kv_cache_device"] == "GPU"
+    assert facts["model_loading_gib"] == 1.72 and facts["model_loading_seconds"] == 0.72
+    assert facts["available_kv_gib"] == 3.06
+    assert facts["cuda_graph_gib"] == 0.42
+    assert facts["kv_cache_tokens"] == 183_202 and facts["max_concurrency"] == 44.73
+
+
+def test_last_start_wins():
+    facts = parse_startup_log(GPU_LOG + GPU_LOG.replace("183,202", "90,000"))
+    assert facts["kv_cache_tokens"] == 90_000
+
+
+def test_prometheus_text_and_info_labels():
+    text = """\
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="tiny-qwen3"} 7.0
+vllm:num_requests_waiting{engine="0",model_name="tiny-qwen3"} 3.0
+vllm:cache_config_info{block_size="128",cache_dtype="auto",kv_cache_memory_bytes="1073741824",\
+num_gpu_blocks="16384",num_gpu_blocks_override="None",engine="0"} 1.0
+"""
+    samples = parse_prometheus(text)
+    assert metric_sum(samples, "vllm:num_preemptions_total") == 7.0
+    assert metric_sum(samples, "vllm:absent") is None
+    labels = cache_config_labels(samples)
+    assert label_number(labels, "num_gpu_blocks") == 16384
+    assert label_number(labels, "num_gpu_blocks_override") is None
+    assert labels["cache_dtype"] == "auto"
