@@ -12,6 +12,7 @@ are copied into every image: by default the host's own additions in
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import re
 import shutil
@@ -121,12 +122,13 @@ def progress_line(label: str, step: int, total: int, started: float) -> str:
     return f"\r  {label:<34} [{bar}] {step:>2}/{total:<2} {time.monotonic() - started:6.0f}s"
 
 
-def run_logged(command: list[str], log_path: Path, label: str, stdin=None) -> None:
-    """Run a command with its output in a log file, showing a progress bar from docker's steps."""
+def run_logged(command: list[str], log_path: Path, label: str, stdin=None, bar: bool = True) -> None:
+    """Run a command with its output in a log file, showing its progress from docker's steps:
+    a bar on a terminal (one build at a time), else a line per step."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     step, total = 0, 0
-    interactive = sys.stderr.isatty()
+    interactive = bar and sys.stderr.isatty()
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdin=stdin, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, errors="replace")
@@ -168,14 +170,28 @@ def build_base_image(image: str, mirror: str, security_mirror: str) -> None:
                        BUILD_DIR / "logs" / "base-import.log", f"{image} (import)", stdin=tar)
 
 
-def build_image(build: ImageBuild) -> None:
+def build_image(build: ImageBuild, bar: bool = True) -> None:
     # compose resolves the context to an absolute path and keeps the Dockerfile relative to it.
     dockerfile = Path(build.context) / build.dockerfile
     command = ["docker", "build", "-f", str(dockerfile), "-t", build.image]
     for key, value in build.args.items():
         command += ["--build-arg", f"{key}={value}"]
     command.append(build.context)
-    run_logged(command, BUILD_DIR / "logs" / f"{build.service}.log", build.image)
+    run_logged(command, BUILD_DIR / "logs" / f"{build.service}.log", build.image, bar=bar)
+
+
+def build_all(builds: list[ImageBuild], jobs: int) -> None:
+    """Build several images at once: the vLLM image waits mostly on downloads and disk, so the
+    small images fit beside it."""
+    if jobs <= 1 or len(builds) <= 1:
+        for build in builds:
+            build_image(build)
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(build_image, build, False) for build in builds]
+        errors = [f.exception() for f in futures if f.exception()]
+    if errors:
+        raise BuildError("\n".join(str(e) for e in errors))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -194,8 +210,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="make the Debian base image again even if it exists")
     parser.add_argument("--mirror", default="http://deb.debian.org/debian")
     parser.add_argument("--security-mirror", default="http://deb.debian.org/debian-security")
+    parser.add_argument("--jobs", type=int, default=2, help="images built at once (default 2)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and build nothing")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
     for cert in args.ca_cert:
         if not cert.is_file():
             parser.error(f"--ca-cert {cert}: no such file")
@@ -225,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                 build_base_image(base, args.mirror, args.security_mirror)
             else:
                 print(f"  {base}: present (use --rebuild-base to make it again)", file=sys.stderr)
-        for build in builds:
-            build_image(build)
+        # The largest build first, so the others overlap with it.
+        builds.sort(key=lambda b: not b.service.startswith("vllm"))
+        build_all(builds, args.jobs)
     except BuildError as err:
         print(f"build_images: {err}", file=sys.stderr)
         return 1

@@ -38,6 +38,8 @@ python3 scripts/build_images.py --variant cpu
 
 phase "tests (pytest)"
 export TESTCONTAINERS_RYUK_DISABLED=true
+# Each test stack names its own compose project; a name from the shell would override it.
+unset COMPOSE_PROJECT_NAME COMPOSE_FILE
 status=0
 .venv/bin/python -m pytest "$@" || status=$?
 phase "done in $(( $(date +%s) - run_started ))s, pytest exit code $status"

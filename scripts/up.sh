@@ -46,10 +46,35 @@ fi
 mkdir -p secrets "${MODELS_DIR:-./models}"
 chmod 700 secrets
 [[ -f "${HF_TOKEN_FILE:-./secrets/hf_token}" ]] || install -m 600 /dev/null "${HF_TOKEN_FILE:-./secrets/hf_token}"
+grafana_password=${GRAFANA_ADMIN_PASSWORD_FILE:-./secrets/grafana_admin_password}
+if [[ ! -s "$grafana_password" ]]; then
+    openssl rand -base64 18 > "$grafana_password"
+    echo "Grafana: user admin, password in $grafana_password" >&2
+fi
+prometheus_htpasswd=${PROMETHEUS_HTPASSWD_FILE:-./secrets/prometheus_htpasswd}
+if [[ ! -s "$prometheus_htpasswd" ]]; then
+    prometheus_password=$(openssl rand -base64 18)
+    printf 'admin:%s\n' "$(printf '%s' "$prometheus_password" | openssl passwd -6 -stdin)" > "$prometheus_htpasswd"
+    echo "Prometheus (/prometheus/): user admin, password $prometheus_password (shown only now)" >&2
+fi
+chmod 644 "$grafana_password" "$prometheus_htpasswd"
 keys_file=${API_KEYS_FILE:-./secrets/api_keys}
 if [[ ! -s "$keys_file" ]] || ! grep -q '^sk-' "$keys_file"; then
     key=$(python3 scripts/apikeys.py --file "$keys_file" --no-reload create admin)
     echo "Created the first API key (owner 'admin'); it is shown only now: $key" >&2
+fi
+
+loadtest_key=${LOADTEST_API_KEY_FILE:-./secrets/loadtest_api_key}
+if [[ ! -s "$loadtest_key" ]]; then
+    python3 scripts/apikeys.py --file "$keys_file" --no-reload create loadtest > "$loadtest_key"
+    chmod 644 "$loadtest_key"
+fi
+locust_htpasswd=${LOCUST_HTPASSWD_FILE:-./secrets/locust_htpasswd}
+if [[ ! -s "$locust_htpasswd" ]]; then
+    password=$(openssl rand -base64 18)
+    printf 'admin:%s\n' "$(printf '%s' "$password" | openssl passwd -6 -stdin)" > "$locust_htpasswd"
+    chmod 644 "$locust_htpasswd"
+    echo "Locust web UI at /locust/: user admin, password $password (shown only now)" >&2
 fi
 
 if [[ $mode != gpu ]]; then

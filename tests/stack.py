@@ -33,14 +33,16 @@ def free_port() -> int:
 
 
 class Stack:
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, extra_settings: dict[str, str] | None = None,
+                 services: list[str] | None = None, name: str = "llmstack-test"):
         self.workdir = workdir
-        self.project = f"llmstack-test-{uuid.uuid4().hex[:8]}"
+        self.project = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.extra_settings = dict(extra_settings or {})
         self.port = free_port()
         self.keys: dict[str, str] = {}
         files = os.environ.get("LLM_STACK_COMPOSE_FILES", ":".join(CPU_COMPOSE_FILES)).split(":")
         # A developer may start part of the stack, e.g. LLM_STACK_SERVICES=nginx,vllm.
-        services = [s for s in os.environ.get("LLM_STACK_SERVICES", "").split(",") if s] or None
+        services = services or [s for s in os.environ.get("LLM_STACK_SERVICES", "").split(",") if s] or None
         self.env_file = workdir / "stack.env"
         self.compose = DockerCompose(REPO_ROOT, compose_file_name=files, env_file=str(self.env_file),
                                      wait=True, build=False, pull=False, services=services)
@@ -82,12 +84,14 @@ class Stack:
             secret.chmod(0o644)  # read by non-root users inside the containers; the folder is 700
         models = self.workdir / "models"
         models.mkdir()
-        settings = {"API_KEYS_FILE": str(keys_file), "HF_TOKEN_FILE": str(hf_token),
+        # The project name travels in the env file, so every compose command of this stack uses it.
+        settings = {"COMPOSE_PROJECT_NAME": self.project, "API_KEYS_FILE": str(keys_file), "HF_TOKEN_FILE": str(hf_token),
                     "GRAFANA_ADMIN_PASSWORD_FILE": str(grafana_password),
                     "PROMETHEUS_HTPASSWD_FILE": str(htpasswd_files["prometheus"]),
                     "LOCUST_HTPASSWD_FILE": str(htpasswd_files["locust"]),
                     "LOADTEST_API_KEY_FILE": str(loadtest_key),
-                    "MODELS_DIR": str(models), "GATEWAY_PORT": str(self.port), **TEST_SETTINGS}
+                    "MODELS_DIR": str(models), "GATEWAY_PORT": str(self.port), **TEST_SETTINGS,
+                    **self.extra_settings}
         self.env_file.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
 
     def compose_command(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -99,7 +103,6 @@ class Stack:
         return {**os.environ, "COMPOSE_PROJECT_NAME": self.project}
 
     def start(self) -> None:
-        os.environ["COMPOSE_PROJECT_NAME"] = self.project
         self.prepare()
         self.compose.start()
 

@@ -1,0 +1,155 @@
+"""Run the lab's experiments headless against the running stack and print the lab's tables.
+
+  docker compose run --rm locust-master python -m loadtest.experiments [all|concurrency|streaming|prefix ...]
+
+Load goes through the gateway (LOADTEST_HOST, default http://nginx:8080) with the key(s) in
+LOADTEST_API_KEY_FILE, driven by Locust's own runner, users and step shape (loadtest/). vLLM's
+metrics (--vllm-metrics-url) are read only as a cross-check. Results (records CSV, JSON, HTML
+report, PNG charts) go to --results/<run id>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+EXPERIMENTS = ("concurrency", "streaming", "prefix")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.experiments", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiments", nargs="*", default=["all"], metavar="EXPERIMENT",
+                        help="concurrency, streaming, prefix or all (default: all)")
+    parser.add_argument("--host", default=os.environ.get("LOADTEST_HOST", "http://nginx:8080"),
+                        help="gateway URL (default: %(default)s)")
+    parser.add_argument("--api-key-file", default=None,
+                        help="file with one or more API keys, one a line (default: LOADTEST_API_KEY_FILE)")
+    parser.add_argument("--model", default=os.environ.get("LOADTEST_MODEL", ""),
+                        help="served model name (default: the first of /v1/models)")
+    parser.add_argument("--levels", default=os.environ.get("LOADTEST_STEPS", "1,2,4,8"),
+                        help="concurrency levels, comma-separated (default: %(default)s)")
+    hold = parser.add_mutually_exclusive_group()
+    hold.add_argument("--requests-per-client", type=int, default=None,
+                      help="hold each level until every client has sent this many requests (default: 4)")
+    hold.add_argument("--step-seconds", type=float, default=None, help="hold each level this long instead")
+    parser.add_argument("--max-tokens", type=int, default=50, help="output tokens per request, concurrency "
+                        "experiment (the lab's 50)")
+    parser.add_argument("--streaming-requests", type=int, default=5, help="streamed requests, one at a time")
+    parser.add_argument("--streaming-max-tokens", type=int, default=80, help="output tokens (the lab's 80)")
+    parser.add_argument("--prefix-requests", type=int, default=10, help="requests with and without a shared prefix")
+    parser.add_argument("--prefix-words", type=int, default=600, help="length of the system prompt in words")
+    parser.add_argument("--vllm-metrics-url", default=os.environ.get("LOADTEST_VLLM_METRICS_URL",
+                                                                     "http://vllm:8000/metrics"),
+                        help="vLLM's /metrics for the cross-check; '' to skip (default: %(default)s)")
+    parser.add_argument("--results", default=os.environ.get("LOADTEST_RESULTS_DIR", "results"),
+                        help="folder for the run's files (default: %(default)s)")
+    parser.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of tables")
+    args = parser.parse_args(argv)
+    chosen = set()
+    for name in args.experiments:
+        if name == "all":
+            chosen.update(EXPERIMENTS)
+        elif name in EXPERIMENTS:
+            chosen.add(name)
+        else:
+            parser.error(f"unknown experiment {name!r} (choose from {', '.join(EXPERIMENTS)}, all)")
+    args.chosen = [name for name in EXPERIMENTS if name in chosen]
+    for flag in ("max_tokens", "streaming_requests", "streaming_max_tokens", "prefix_requests",
+                 "prefix_words"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.streaming_max_tokens < 2 or args.max_tokens < 2:
+        parser.error("--max-tokens and --streaming-max-tokens must be at least 2 (TPOT needs two tokens)")
+    if args.requests_per_client is not None and args.requests_per_client < 1:
+        parser.error("--requests-per-client must be at least 1")
+    if args.step_seconds is not None and args.step_seconds <= 0:
+        parser.error("--step-seconds must be positive")
+    if args.requests_per_client is None and args.step_seconds is None:
+        args.requests_per_client = 4
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Locust patches sockets with gevent; it must come after argument parsing (fast --help) and
+    # before anything opens a connection.
+    from loadtest.settings import SettingsError, parse_levels
+
+    try:
+        levels = parse_levels(args.levels)
+        return run(args, levels)
+    except SettingsError as exc:
+        print(f"experiments: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("experiments: interrupted", file=sys.stderr)
+        return 130
+
+
+def run(args: argparse.Namespace, levels: list[int]) -> int:
+    from loadtest import metrics, report
+    from loadtest.runner import ExperimentRunner
+    from loadtest.settings import Settings, SettingsError
+
+    logging.getLogger("locust").setLevel(logging.WARNING)
+    environ = dict(os.environ)
+    if args.api_key_file:
+        environ.pop("LOADTEST_API_KEY", None)
+        environ["LOADTEST_API_KEY_FILE"] = args.api_key_file
+    settings = Settings.from_environment(environ)
+    settings.host = args.host.rstrip("/")
+    settings.model = args.model
+    settings.prefix_words = args.prefix_words
+
+    run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = Path(args.results) / f"loadtest-{run_id}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=False)
+    except OSError as exc:
+        raise SettingsError(f"cannot create the results folder {out_dir}: {exc.strerror}") from None
+
+    metrics.install_precise_buckets()
+    metrics.KEEP_RECORDS = True
+    runner = ExperimentRunner(settings, args.vllm_metrics_url)
+    summary: dict = {"run_id": run_id, "host": settings.host, "levels": levels, "results_dir": str(out_dir),
+                     "started": datetime.now(timezone.utc).isoformat()}
+    started = time.perf_counter()
+    runner.warm_up()
+    summary["model"] = settings.model
+    if "concurrency" in args.chosen:
+        summary["concurrency"] = runner.concurrency(levels, args.requests_per_client, args.step_seconds,
+                                                    args.max_tokens)
+    if "streaming" in args.chosen:
+        summary["streaming"] = runner.streaming(args.streaming_requests, args.streaming_max_tokens)
+    if "prefix" in args.chosen:
+        summary["prefix"] = runner.prefix(args.prefix_requests)
+    summary["duration_s"] = time.perf_counter() - started
+    summary["failures"] = sum(1 for record in runner.all_records if not record.ok)
+    summary["requests"] = len(runner.all_records)
+    summary["failure_reasons"] = report.failure_reasons(runner.all_records)
+
+    report.write_files(out_dir, summary, runner.all_records, charts=not args.no_charts)
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        print(report.render_tables(summary))
+        print(f"\nFiles: {out_dir}/ (records.csv, summary.json, report.html"
+              f"{', *.png' if not args.no_charts else ''})")
+    if summary["failures"]:
+        reasons = "; ".join(f"{count}x {reason}" for reason, count in summary["failure_reasons"].items())
+        print(f"experiments: {summary['failures']} of {summary['requests']} requests failed: {reasons}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Locust entry point for the web UI (master + workers) and plain headless `locust` runs.
+
+Pick the users and the shape in the web UI (--class-picker):
+  CompletionUser, StreamingCompletionUser, StreamingChatUser, PrefixCacheUser, and
+  StepLoadShape (concurrency steps; none picked = the user count typed in the UI).
+Streamed requests add entries TTFT, TPOT, ITL (every inter-chunk gap) and E2E, in milliseconds
+with 0.01 ms resolution, beside Locust's own POST entry (which stops at the response headers).
+"""
+
+from locust import events
+from locust.runners import MasterRunner, WorkerRunner
+
+from loadtest import metrics
+from loadtest.steps import STEP_MESSAGE, StepLoadShape, on_step_message
+from loadtest.users import CompletionUser, PrefixCacheUser, StreamingChatUser, StreamingCompletionUser
+
+__all__ = ["CompletionUser", "StreamingCompletionUser", "StreamingChatUser", "PrefixCacheUser",
+           "StepLoadShape"]
+
+metrics.install_precise_buckets()
+
+
+@events.init.add_listener
+def on_init(environment, **_kwargs):
+    if isinstance(environment.runner, WorkerRunner):
+        environment.runner.register_message(STEP_MESSAGE, on_step_message)
+    if not isinstance(environment.runner, MasterRunner):
+        # Workers (and a standalone locust) make the requests, so they export the client metrics.
+        metrics.start_exporter()
+

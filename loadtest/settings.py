@@ -1,0 +1,70 @@
+"""Load-test settings from the environment (compose sets them; the experiments' flags override)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LAB_PROMPT = "Please describe the inference process of large language models in three sentences"
+DEFAULT_LEVELS = (1, 2, 4, 8)
+
+
+class SettingsError(ValueError):
+    """A setting the user gave is unusable; the message says which."""
+
+
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise SettingsError(f"concurrency levels must be comma-separated integers, got {text!r}") from None
+    if not levels or any(level < 1 for level in levels):
+        raise SettingsError(f"concurrency levels must be positive integers, got {text!r}")
+    return levels
+
+
+def read_keys(path: str) -> list[str]:
+    """Keys from a file: one per line; blank lines and # comments ignored."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise SettingsError(f"cannot read the API key file {path}: {exc.strerror}") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise SettingsError(f"the API key file {path} holds no key")
+    return keys
+
+
+@dataclass
+class Settings:
+    host: str = "http://nginx:8080"
+    api_keys: list[str] = field(default_factory=list)
+    model: str = ""
+    prompt: str = LAB_PROMPT
+    max_tokens: int = 50
+    prefix_words: int = 600
+    _next_key: itertools.count = field(default_factory=itertools.count, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def next_key(self) -> str:
+        """Keys round-robin, one per simulated user, so each key's limits see a share of the load."""
+        with self._lock:
+            return self.api_keys[next(self._next_key) % len(self.api_keys)]
+
+    @classmethod
+    def from_environment(cls, environ=os.environ) -> "Settings":
+        if environ.get("LOADTEST_API_KEY"):
+            keys = [environ["LOADTEST_API_KEY"]]
+        else:
+            keys = read_keys(environ.get("LOADTEST_API_KEY_FILE", "/run/secrets/loadtest_api_key"))
+        try:
+            return cls(host=environ.get("LOADTEST_HOST", "http://nginx:8080").rstrip("/"), api_keys=keys,
+                       model=environ.get("LOADTEST_MODEL", ""),
+                       prompt=environ.get("LOADTEST_PROMPT") or LAB_PROMPT,
+                       max_tokens=int(environ.get("LOADTEST_MAX_TOKENS", "50")),
+                       prefix_words=int(environ.get("LOADTEST_PREFIX_WORDS", "600")))
+        except ValueError as exc:
+            raise SettingsError(f"bad number in LOADTEST_* settings: {exc}") from None

@@ -1,0 +1,60 @@
+"""The current concurrency step in this process (no Locust import)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepWindow:
+    level: int
+    started: float
+    ended: float | None = None
+    # CPU seconds this process used (time.process_time): the load generator's own cost per step.
+    cpu_started: float = 0.0
+    cpu_ended: float | None = None
+
+    def close(self) -> None:
+        self.ended = time.perf_counter()
+        self.cpu_ended = time.process_time()
+
+
+@dataclass
+class StepState:
+    """The current step in this process: users ask it before each request."""
+
+    level: int | None = None
+    budget: int | None = None
+    started_requests: int = 0
+    windows: list[StepWindow] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def begin(self, level: int, budget: int | None) -> None:
+        with self._lock:
+            if self.windows and self.windows[-1].ended is None:
+                self.windows[-1].close()
+            self.level, self.budget, self.started_requests = level, budget, 0
+            self.windows.append(StepWindow(level, time.perf_counter(), cpu_started=time.process_time()))
+
+    def finish(self) -> None:
+        with self._lock:
+            if self.windows and self.windows[-1].ended is None:
+                self.windows[-1].close()
+            self.level, self.budget = None, None
+
+    def try_start(self) -> tuple[bool, int | None]:
+        """(may send now, step label). Outside any step there is no limit and no label."""
+        with self._lock:
+            if self.budget is not None and self.started_requests >= self.budget:
+                return False, self.level
+            self.started_requests += 1
+            return True, self.level
+
+    def reset(self) -> None:
+        with self._lock:
+            self.level, self.budget, self.started_requests, self.windows = None, None, 0, []
+
+
+STEP_STATE = StepState()

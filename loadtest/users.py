@@ -1,0 +1,145 @@
+"""Locust users for the OpenAI-compatible API behind the gateway.
+
+Each user is a closed-loop client (no think time, as the lab's clients) with its own API key from
+the key file (round-robin), sending through the gateway like any other client.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import gevent
+from locust import HttpUser, constant, task
+
+from loadtest import metrics
+from loadtest.openai_stream import CHAT_COMPLETIONS, COMPLETIONS, RequestRecord, build_body, send
+from loadtest.settings import Settings
+from loadtest.step_state import STEP_STATE
+
+_settings: Settings | None = None
+_model_lock = threading.Lock()
+_WORDS = ("kernel cache token batch decode prefill memory tensor latency throughput scheduler block "
+          "attention query value key layer stream request server client gateway model weight page").split()
+
+
+def settings() -> Settings:
+    global _settings
+    if _settings is None:
+        _settings = Settings.from_environment()
+    return _settings
+
+
+def use_settings(new: Settings) -> None:
+    global _settings
+    _settings = new
+
+
+def words(count: int, seed: int | str) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(count))
+
+
+SHARED_SYSTEM_SEED = "shared-system-prompt"
+
+
+class PrefixWorkload:
+    """Which system prompt the prefix-caching users send: "shared", "unique" or "alternate"."""
+
+    mode = "alternate"
+    _counter = 0
+
+    @classmethod
+    def next_kind(cls) -> str:
+        if cls.mode != "alternate":
+            return cls.mode
+        cls._counter += 1
+        return "shared" if cls._counter % 2 else "unique"
+
+
+class OpenAIUser(HttpUser):
+    abstract = True
+    wait_time = constant(0)
+    host = "http://nginx:8080"
+
+    def on_start(self) -> None:
+        config = settings()
+        self.headers = {"Authorization": f"Bearer {config.next_key()}"}
+        if not config.model:
+            self.discover_model(config)
+
+    def discover_model(self, config: Settings) -> None:
+        with _model_lock:
+            if config.model:
+                return
+            response = self.client.get("/v1/models", headers=self.headers, name="/v1/models")
+            try:
+                config.model = response.json()["data"][0]["id"]
+            except (ValueError, KeyError, IndexError, TypeError):
+                # Leave it unset: the requests fail visibly (401, 503) and each is counted.
+                pass
+
+    def run_request(self, endpoint: str, body: dict, kind: str, tag: str = "") -> RequestRecord | None:
+        allowed, step = STEP_STATE.try_start()
+        while not allowed:
+            # The step's request budget is spent: wait for the shape to start the next step.
+            gevent.sleep(0.005)
+            allowed, step = STEP_STATE.try_start()
+        record = RequestRecord(kind, endpoint, bool(body.get("stream")), 0.0, 0.0, step=step, tag=tag)
+        name = metrics.entry_name(record)
+        record = send(self.client, "", endpoint, body, self.headers, kind, name=name)
+        record.step, record.tag = step, tag
+        metrics.publish(record)
+        return record
+
+    def body(self, endpoint: str, stream: bool, **overrides) -> dict:
+        config = settings()
+        return build_body(endpoint, config.model or "unknown-model", overrides.get("prompt", config.prompt),
+                          overrides.get("messages"), overrides.get("max_tokens", config.max_tokens), stream)
+
+
+class CompletionUser(OpenAIUser):
+    """Non-streaming /v1/completions (the lab's concurrency test)."""
+
+    @task
+    def completion(self) -> None:
+        self.run_request(COMPLETIONS, self.body(COMPLETIONS, stream=False), "completion")
+
+
+class StreamingCompletionUser(OpenAIUser):
+    """Streamed /v1/completions with TTFT, TPOT and every inter-chunk gap."""
+
+    @task
+    def streaming_completion(self) -> None:
+        self.run_request(COMPLETIONS, self.body(COMPLETIONS, stream=True), "stream-completion")
+
+
+class StreamingChatUser(OpenAIUser):
+    """Streamed /v1/chat/completions."""
+
+    @task
+    def streaming_chat(self) -> None:
+        messages = [{"role": "user", "content": settings().prompt}]
+        self.run_request(CHAT_COMPLETIONS, self.body(CHAT_COMPLETIONS, stream=True, messages=messages),
+                         "stream-chat")
+
+
+class PrefixCacheUser(OpenAIUser):
+    """Streamed chat whose long system prompt is either shared by every request (its KV cache is
+    reused) or unique to the request (always a full prefill); same length either way."""
+
+    max_tokens = 8
+
+    @task
+    def prefix_request(self) -> None:
+        config = settings()
+        kind = PrefixWorkload.next_kind()
+        if kind == "shared":
+            system = words(config.prefix_words, SHARED_SYSTEM_SEED)
+        else:
+            # A different first word already defeats every cached block.
+            system = words(config.prefix_words, random.getrandbits(64))
+        question = f"Question {random.getrandbits(32)}: {config.prompt}"
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        body = self.body(CHAT_COMPLETIONS, stream=True, messages=messages, max_tokens=self.max_tokens)
+        self.run_request(CHAT_COMPLETIONS, body, "prefix-cache", tag=f"{kind}-prefix")

@@ -1,0 +1,138 @@
+"""Locust in the stack: the lab's experiments headless through nginx, and the web UI behind a login."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import requests
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LEVELS = [1, 2, 4, 8]
+MAX_TOKENS = 64
+
+
+def run_experiments(stack, *args: str, timeout: float = 900):
+    command = ["run", "--rm", "-T", "locust-master", "python", "-m", "loadtest.experiments", "--json", *args]
+    return stack.compose_command(*command, check=False, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def experiments(stack):
+    """One short run of all three experiments, as the README's command runs them."""
+    result = run_experiments(stack, "all", "--levels", ",".join(map(str, LEVELS)), "--requests-per-client", "2",
+                             "--max-tokens", str(MAX_TOKENS), "--streaming-requests", "2",
+                             "--prefix-requests", "3")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return json.loads(result.stdout)
+
+
+def test_concurrency_table_is_self_consistent(experiments):
+    rows = experiments["concurrency"]["rows"]
+    assert [row["concurrency"] for row in rows] == LEVELS
+    for row in rows:
+        level = row["concurrency"]
+        assert row["failures"] == 0
+        assert row["requests"] == 2 * level
+        # ignore_eos + max_tokens: every request decodes exactly MAX_TOKENS, counted by usage.
+        assert row["output_tokens"] == MAX_TOKENS * row["requests"]
+        assert row["total_time_s"] > 0
+        assert math.isclose(row["throughput_tok_s"], row["output_tokens"] / row["total_time_s"], rel_tol=1e-9)
+        assert row["avg_tps_per_request"] > 0
+        assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p90"] <= row["ttft_ms"]["p99"]
+        assert 0 < row["tpot_ms"]["p50"] <= row["tpot_ms"]["p99"]
+        assert row["ttft_ms"]["p99"] < row["e2e_ms"]["p99"] * (1 + 1e-9)
+        # The step really ran `level` requests at once inside vLLM, never more.
+        assert row["max_running_in_vllm"] == level
+
+
+def test_every_request_has_ttft_below_e2e(experiments):
+    records = REPO_ROOT / experiments["results_dir"].lstrip("/")
+    with open(records / "records.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == experiments["requests"]
+    for row in rows:
+        assert row["ok"] == "True"
+        ttft, e2e = float(row["ttft_s"]), float(row["e2e_s"])
+        assert 0 < ttft < e2e
+        offsets = json.loads(row["chunk_offsets_s"])
+        assert offsets == sorted(offsets) and offsets[0] == pytest.approx(ttft, abs=2e-6)
+
+
+def test_streaming_table(experiments):
+    streaming = experiments["streaming"]
+    assert len(streaming["rows"]) == 2
+    for row in streaming["rows"]:
+        assert row["ok"]
+        assert row["output_tokens"] == streaming["max_tokens"]
+        assert 0 < row["ttft_ms"] < row["e2e_ms"]
+        assert 0 < row["decode_ms"] < row["e2e_ms"]
+        assert row["avg_interval_ms"] > 0
+        assert math.isclose(row["ttft_interval_ratio"], row["ttft_ms"] / row["avg_interval_ms"], rel_tol=1e-9)
+    assert streaming["timeline_s"]
+
+
+def test_prefix_caching_hits_the_cache(experiments):
+    prefix = experiments["prefix"]
+    shared, unique = prefix["phases"]["shared"], prefix["phases"]["unique"]
+    assert shared["failures"] == unique["failures"] == 0
+    assert shared["vllm_prefix_cache_hit_rate"] > 0
+    assert shared["vllm_prefix_cache_hit_rate"] > unique["vllm_prefix_cache_hit_rate"]
+    assert shared["ttft_ms"]["p50"] > 0 and unique["ttft_ms"]["p50"] > 0
+    assert prefix["ttft_reduction_pct"] == pytest.approx(
+        (1 - shared["ttft_ms"]["p50"] / unique["ttft_ms"]["p50"]) * 100)
+
+
+def test_client_and_vllm_saw_the_same_requests(experiments):
+    check = experiments["concurrency"]["vllm"]
+    assert check["vllm_requests"] == check["client_requests"] == sum(2 * level for level in LEVELS)
+    # vLLM's TTFT starts after the gateway and the API server; the client's cannot be shorter.
+    assert check["client_ttft_mean_ms"] >= check["vllm_ttft_mean_ms"]
+
+
+def test_results_files_and_charts(experiments):
+    folder = REPO_ROOT / experiments["results_dir"].lstrip("/")
+    for name in ("records.csv", "summary.json", "report.html", "throughput_vs_concurrency.png",
+                 "tps_per_request_vs_concurrency.png", "token_timeline.png"):
+        path = folder / name
+        assert path.is_file() and path.stat().st_size > 0, name
+    assert (folder / "throughput_vs_concurrency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Throughput (tok/s)" in (folder / "report.html").read_text()
+
+
+def test_wrong_api_key_reports_failures(stack):
+    wrong = stack.compose_command("run", "--rm", "-T", "-e", "LOADTEST_API_KEY=sk-wrong", "locust-master",
+                                  "python", "-m", "loadtest.experiments", "--json", "streaming",
+                                  "--streaming-requests", "2", "--no-charts", check=False, timeout=300)
+    assert wrong.returncode == 1, wrong.stderr[-2000:]
+    assert "Traceback" not in wrong.stderr
+    summary = json.loads(wrong.stdout)
+    assert summary["failures"] == summary["requests"] == 2
+    assert any("401" in reason for reason in summary["failure_reasons"])
+    assert "requests failed" in wrong.stderr
+
+
+def test_web_ui_only_through_nginx_with_login(stack):
+    assert requests.get(stack.url("/locust/"), timeout=10).status_code == 401
+    assert requests.get(stack.url("/locust/"), auth=("admin", "wrong"), timeout=10).status_code == 401
+    response = requests.get(stack.url("/locust/"), auth=("admin", stack.passwords["locust"]), timeout=10)
+    assert response.status_code == 200
+    assert "window.templateArgs" in response.text
+    stats = requests.get(stack.url("/locust/stats/requests"), auth=("admin", stack.passwords["locust"]),
+                         timeout=10)
+    assert stats.status_code == 200 and "state" in stats.json()
+    # The master's own port is not published: only nginx's is.
+    ports = stack.compose_command("port", "locust-master", "8089", check=False)
+    assert ports.returncode != 0 or ports.stdout.strip() in ("", ":0")
+
+
+def test_web_ui_offers_the_users_and_the_step_shape(stack):
+    page = requests.get(stack.url("/locust/"), auth=("admin", stack.passwords["locust"]), timeout=10).text
+    for name in ("StreamingCompletionUser", "StreamingChatUser", "CompletionUser", "PrefixCacheUser",
+                 "StepLoadShape"):
+        assert name in page
+    assert '"worker_count": 1' in page

@@ -1,0 +1,173 @@
+"""The load generator's measurement logic: SSE parsing, timing, usage, precision, steps, tables."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import requests
+
+from loadtest import report
+from loadtest.openai_stream import (COMPLETIONS, RequestRecord, build_body, chunk_text, iter_sse_data,
+                                    send)
+from loadtest.stats_math import percentile, precise_bucket
+from loadtest.settings import Settings, SettingsError, parse_levels, read_keys
+from loadtest.step_state import StepState
+from loadtest.vllm_metrics import parse
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_sse_events_split_across_network_chunks():
+    chunks = [b'data: {"a"', b': 1}\n\ndata: {"a": 2}\n', b"\ndata: [DONE]\n\n"]
+    payloads = [data for _, data in iter_sse_data(chunks)]
+    assert payloads == [b'{"a": 1}', b'{"a": 2}', b"[DONE]"]
+
+
+def test_sse_crlf_and_comments():
+    payloads = [data for _, data in iter_sse_data([b": keep-alive\r\n\r\ndata: x\r\n\r\n"])]
+    assert payloads == [b"x"]
+
+
+def test_chunk_text_ignores_role_only_chat_chunks():
+    assert chunk_text({"choices": [{"delta": {"role": "assistant", "content": ""}}]}) == ""
+    assert chunk_text({"choices": [{"delta": {"content": "Hi"}}]}) == "Hi"
+    assert chunk_text({"choices": [{"text": "yo"}]}) == "yo"
+    assert chunk_text({"choices": [], "usage": {"completion_tokens": 3}}) == ""
+
+
+def test_body_asks_for_usage_and_fixed_length():
+    body = build_body(COMPLETIONS, "m", "p", None, 50, stream=True)
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["max_tokens"] == 50
+
+
+def test_tpot_uses_usage_tokens_not_chunks():
+    record = RequestRecord("k", COMPLETIONS, True, 0.0, 0.0, e2e=0.5, ttft=0.1, output_tokens=41,
+                           chunk_offsets=[0.1, 0.3, 0.5])
+    assert record.tpot == pytest.approx(0.01)
+    assert record.chunk_gaps == pytest.approx([0.2, 0.2])
+
+
+def test_precise_bucket_keeps_single_digit_milliseconds():
+    assert precise_bucket(1.634) == 1.63
+    assert precise_bucket(12.34) == 12.3
+    assert precise_bucket(1234.5) == 1230.0
+
+
+def test_percentile_interpolates():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5], 99) == 5
+    assert percentile([], 50) is None
+
+
+def test_levels_and_keys(tmp_path):
+    assert parse_levels("1, 2,4,8") == [1, 2, 4, 8]
+    with pytest.raises(SettingsError):
+        parse_levels("1,x")
+    with pytest.raises(SettingsError):
+        parse_levels("0")
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\nsk-a\n\nsk-b\n")
+    assert read_keys(str(keys)) == ["sk-a", "sk-b"]
+    settings = Settings(api_keys=["a", "b"])
+    assert [settings.next_key() for _ in range(3)] == ["a", "b", "a"]
+    with pytest.raises(SettingsError):
+        read_keys(str(tmp_path / "missing"))
+
+
+def test_step_budget_gates_requests():
+    state = StepState()
+    state.begin(2, 3)
+    assert [state.try_start()[0] for _ in range(4)] == [True, True, True, False]
+    state.begin(4, None)
+    assert state.try_start() == (True, 4)
+    state.finish()
+    assert [w.level for w in state.windows] == [2, 4] and all(w.ended for w in state.windows)
+
+
+def test_vllm_metrics_parse_sums_label_sets():
+    snapshot = parse('# HELP x\nvllm:num_requests_running{model_name="a"} 2.0\n'
+                     'vllm:num_requests_running{model_name="b"} 1.0\nvllm:x_sum 3\nvllm:x_count 2\n')
+    later = parse("vllm:x_sum 5\nvllm:x_count 4\n")
+    assert snapshot.get("vllm:num_requests_running") == 3.0
+    assert snapshot.histogram_mean(later, "vllm:x") == 1.0
+
+
+class SlowStream(BaseHTTPRequestHandler):
+    """A real HTTP server streaming SSE chunks 5 ms apart, like vLLM through nginx."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        events = [{"choices": [{"text": ""}]}] + [{"choices": [{"text": f"t{i}"}]} for i in range(10)]
+        events.append({"choices": [], "usage": {"completion_tokens": 10, "prompt_tokens": 4}})
+        for event in events:
+            time.sleep(0.005)
+            self.write_chunk(f"data: {json.dumps(event)}\n\n".encode())
+        self.write_chunk(b"data: [DONE]\n\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def write_chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    def log_message(self, *_args):
+        pass
+
+
+def test_streamed_request_timing_against_a_real_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowStream)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        record = send(requests.Session(), url, COMPLETIONS, build_body(COMPLETIONS, "m", "p", None, 10, True),
+                      {}, "stream-completion")
+    finally:
+        server.shutdown()
+    assert record.ok, record.error
+    assert record.output_tokens == 10 and record.prompt_tokens == 4
+    assert len(record.chunk_offsets) == 10
+    # The empty first chunk does not count: TTFT is the second event, >= 2 x 5 ms.
+    assert 0.009 < record.ttft < record.e2e
+    # Gaps are resolved to well under a millisecond, not rounded to whole ones.
+    assert all(0.003 < gap < 0.05 for gap in record.chunk_gaps)
+    assert any(abs(gap * 1000 - round(gap * 1000)) > 0.01 for gap in record.chunk_gaps)
+
+
+def test_connection_refused_is_a_failed_record():
+    record = send(requests.Session(), "http://127.0.0.1:9", COMPLETIONS,
+                  build_body(COMPLETIONS, "m", "p", None, 2, True), {}, "k", timeout=2)
+    assert not record.ok and "ConnectionError" in record.error
+
+
+def test_tables_render_lab_columns():
+    summary = {"run_id": "r", "host": "h", "model": "m", "requests": 2, "failures": 0, "duration_s": 1.0,
+               "concurrency": {"rows": [{"concurrency": 1, "requests": 2, "failures": 0, "max_tokens": 50,
+                                         "throughput_tok_s": 100.0, "avg_tps_per_request": 90.0,
+                                         "total_time_s": 1.0, "output_tokens": 100,
+                                         "ttft_ms": {"p50": 1.0, "p90": 2.0, "p99": 3.0},
+                                         "tpot_ms": {"p50": 1.5, "p90": 1.6, "p99": 1.7},
+                                         "max_running_in_vllm": 1.0}], "vllm": {}}}
+    text = report.render_tables(summary)
+    assert "Concurrency | Throughput (tok/s) | Avg TPS per request | Total time (s)" in text
+    assert "1.00/2.00/3.00" in text
+
+
+@pytest.mark.parametrize("argv", [["bogus"], ["--levels", "0"], ["--max-tokens", "1"]])
+def test_experiments_cli_usage_errors(argv, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "loadtest.experiments", *argv, "--results", str(tmp_path)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                            env={"LOADTEST_API_KEY": "x", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and result.stderr.strip()
