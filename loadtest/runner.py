@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import select
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from loadtest.users import (OpenAIUser, PrefixCacheUser, PrefixWorkload, Streami
 from loadtest.vllm_metrics import Snapshot, VllmMetrics
 
 SAMPLE_INTERVAL_S = 0.05
+SAMPLER_START_TIMEOUT_S = 15
 
 
 class ExperimentRunner:
@@ -65,15 +67,18 @@ class ExperimentRunner:
         """vLLM's num_requests_running while the steps run: proof each step reached its level."""
         if not self.vllm_metrics_url:
             return None
-        return subprocess.Popen([sys.executable, "-m", "loadtest.running_sampler", self.vllm_metrics_url,
-                                 "--interval", str(SAMPLE_INTERVAL_S)], stdout=subprocess.PIPE, text=True)
+        sampler = subprocess.Popen([sys.executable, "-m", "loadtest.running_sampler", self.vllm_metrics_url,
+                                    "--interval", str(SAMPLE_INTERVAL_S)], stdout=subprocess.PIPE, text=True)
+        # Start the load only once the sampler polls: a short first step could finish before it starts.
+        ready, _, _ = select.select([sampler.stdout], [], [], SAMPLER_START_TIMEOUT_S)
+        self._first_sample = sampler.stdout.readline() if ready else ""
+        return sampler
 
-    @staticmethod
-    def _stop_sampler(sampler: subprocess.Popen) -> list[tuple[float, float]]:
+    def _stop_sampler(self, sampler: subprocess.Popen) -> list[tuple[float, float]]:
         sampler.terminate()
         output, _ = sampler.communicate(timeout=10)
         samples = []
-        for line in output.splitlines():
+        for line in (self._first_sample + output).splitlines():
             moment, value = line.split()
             samples.append((float(moment), float(value)))
         return samples
