@@ -20,9 +20,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lablib import (GiB, ComposeStack, StackError, UsageError, add_stack_arguments, cache_config_labels,
-                    label_number, load_pyplot, model_config_from_stack, parse_startup_log, progress,
-                    results_path, run_main, served_model, write_json)
+from lablib import (ComposeStack, GiB, ScriptArgumentParser, StackError, UsageError,
+                    add_stack_arguments, cache_config_labels, label_number, load_pyplot,
+                    model_config_from_stack, parse_startup_log, progress, results_path, run_main,
+                    save_chart, served_model, write_json)
 
 DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "float": 4,
@@ -357,9 +358,7 @@ def chart(rows: list[dict], model: KVModel, max_len: int, path: Path) -> None:
     ax.set_ylabel(f"max concurrent {max_len:,}-token requests")
     ax.set_title(f"{model.name}: KV capacity vs utilisation")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_chart(plt, fig, path)
 
 
 def cross_check(stack: ComposeStack, args, config: dict | None) -> dict:
@@ -463,13 +462,8 @@ def parse_utilisations(text: str) -> list[float]:
     return values
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = Parser(prog="kv_planner.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptArgumentParser(prog="kv_planner.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", type=Path,
                         help="config.json or a model folder (optional with --check-stack: the served model's)")
     parser.add_argument("--gpu-memory-gib", type=float, help="GPU memory in GiB (e.g. 139.8 for an H200)")

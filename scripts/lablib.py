@@ -3,6 +3,7 @@ stack's vLLM (logs, metrics, files) through `docker compose`, and where results 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -24,6 +25,13 @@ class UsageError(Exception):
 
 class StackError(Exception):
     """The stack could not be read or answered wrongly: one line on stderr, exit code 1."""
+
+
+class ScriptArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors become UsageError, so run_main prints one line and exits 2."""
+
+    def error(self, message):
+        raise UsageError(message)
 
 
 def run_main(prog: str, main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
@@ -65,6 +73,12 @@ def load_pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def save_chart(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # --- Prometheus text format ------------------------------------------------------------------------

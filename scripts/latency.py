@@ -21,7 +21,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lablib import StackError, UsageError, load_pyplot, progress, results_path, run_main, write_json
+from lablib import (ScriptArgumentParser, StackError, UsageError, load_pyplot, progress,
+                    results_path, run_main, save_chart, write_json)
 
 SHORT_PROMPT = "What is artificial intelligence?"
 LONG_PROMPT = ("Please explain in detail the development history of deep learning, starting from the perceptron, "
@@ -194,14 +195,7 @@ def chart(sweep: list[dict], path: Path, model: str) -> None:
     ax.set_title(f"{model}: time to first token vs prompt length")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
+    save_chart(plt, fig, path)
 
 
 def positive_ints(text: str) -> list[int]:
@@ -215,7 +209,7 @@ def positive_ints(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = Parser(prog="latency.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptArgumentParser(prog="latency.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default=os.environ.get("LLM_STACK_BASE_URL", DEFAULT_BASE_URL),
                         help="the gateway (default: LLM_STACK_BASE_URL or %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("LLM_STACK_API_KEY"),

@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 from kv_planner import DTYPE_BYTES, NotUnderstood, analyse, config_dtype, estimate_parameters
-from lablib import (GiB, ComposeStack, UsageError, add_stack_arguments, cache_config_labels,
-                    label_number, load_pyplot, model_config_from_stack, parameter_count_in_stack,
-                    parse_startup_log, progress, results_path, run_main, served_model, write_json)
+from lablib import (ComposeStack, GiB, ScriptArgumentParser, add_stack_arguments,
+                    cache_config_labels, label_number, load_pyplot, model_config_from_stack,
+                    parameter_count_in_stack, parse_startup_log, progress, results_path, run_main,
+                    save_chart, served_model, write_json)
 
 
 def collect(stack: ComposeStack) -> dict:
@@ -121,18 +122,11 @@ def chart(r: dict, path: Path) -> None:
     ax.set_xlabel("GiB")
     ax.set_title(f"{r['served_model']}: memory held by vLLM ({r['device']})")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
+    save_chart(plt, fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="memory_report.py", description=__doc__,
+    parser = ScriptArgumentParser(prog="memory_report.py", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_stack_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")

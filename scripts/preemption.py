@@ -22,8 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from latency import DEFAULT_BASE_URL, LONG_PROMPT, Client, measure
-from lablib import (ComposeStack, StackError, UsageError, add_stack_arguments, cache_config_labels, label_number,
-                    load_pyplot, metric_sum, progress, results_path, run_main, write_json)
+from lablib import (ComposeStack, ScriptArgumentParser, StackError, UsageError, add_stack_arguments,
+                    cache_config_labels, label_number, load_pyplot, metric_sum, progress,
+                    results_path, run_main, save_chart, write_json)
 
 SCHEDULER_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                      "vllm:num_preemptions_total")
@@ -92,18 +93,11 @@ def chart(report: dict, path: Path) -> None:
     bottom.legend(fontsize=8)
     fig.suptitle(f"{report['model']}: {report['concurrency']} concurrent requests, KV capacity "
                  f"{report['kv_capacity_tokens']:,} tokens")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
+    save_chart(plt, fig, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = Parser(prog="preemption.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptArgumentParser(prog="preemption.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default=os.environ.get("LLM_STACK_BASE_URL", DEFAULT_BASE_URL),
                         help="the gateway (default: LLM_STACK_BASE_URL or %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("LLM_STACK_API_KEY"),
