@@ -39,9 +39,9 @@ def concurrency_tables(result: dict) -> str:
                 [[str(r["concurrency"]), fmt(r.get("throughput_tok_s")), fmt(r.get("avg_tps_per_request")),
                   fmt(r.get("total_time_s"), 2)] for r in rows])
     latency = table(["Concurrency", "Requests", "Failed", "Tokens", "TTFT p50/p90/p99 (ms)",
-                     "TPOT p50/p90/p99 (ms)", "Max running in vLLM", "Client CPU %", "Client CPU ms/token"],
+                     "TPOT p50/p90/p99 (ms)", "Max in flight", "Max running in vLLM", "Client CPU %", "Client CPU ms/token"],
                     [[str(r["concurrency"]), str(r["requests"]), str(r["failures"]), fmt(r.get("output_tokens")),
-                      triple(r.get("ttft_ms")), triple(r.get("tpot_ms")), fmt(r.get("max_running_in_vllm"), 0),
+                      triple(r.get("ttft_ms")), triple(r.get("tpot_ms")), fmt(r.get("max_in_flight"), 0), fmt(r.get("max_running_in_vllm"), 0),
                       fmt(r.get("client_cpu_pct")), fmt(r.get("client_cpu_ms_per_token"), 3)]
                      for r in rows])
     return f"{lab}\n\n{latency}\n\n{cross_check_line(result.get('vllm') or {})}"

@@ -15,8 +15,8 @@ from locust.env import Environment
 from loadtest import metrics
 from loadtest.openai_stream import RequestRecord
 from loadtest.settings import Settings
-from loadtest.stats_math import scaled, spread
-from loadtest.step_state import STEP_STATE
+from loadtest.stats_math import max_overlap, scaled, spread
+from loadtest.step_state import STEP_STATE, samples_in_step
 from loadtest.steps import StepLoadShape
 from loadtest.users import (OpenAIUser, PrefixCacheUser, PrefixWorkload, StreamingCompletionUser,
                             use_settings)
@@ -32,7 +32,7 @@ class ExperimentRunner:
         use_settings(settings)
         self.vllm = VllmMetrics(vllm_metrics_url)
         self.all_records: list[RequestRecord] = []
-        self.running_samples: list[tuple[float, float]] = []
+        self.running_samples: list[tuple[float, float, float]] = []
         self.windows = []
         self.vllm_metrics_url = vllm_metrics_url
 
@@ -74,19 +74,14 @@ class ExperimentRunner:
         self._first_sample = sampler.stdout.readline() if ready else ""
         return sampler
 
-    def _stop_sampler(self, sampler: subprocess.Popen) -> list[tuple[float, float]]:
+    def _stop_sampler(self, sampler: subprocess.Popen) -> list[tuple[float, float, float]]:
         sampler.terminate()
         output, _ = sampler.communicate(timeout=10)
         samples = []
         for line in (self._first_sample + output).splitlines():
-            moment, value = line.split()
-            samples.append((float(moment), float(value)))
+            sent, received, value = line.split()
+            samples.append((float(sent), float(received), float(value)))
         return samples
-
-    def running_during(self, level: int) -> list[float]:
-        return [value for window in self.windows if window.level == level
-                for moment, value in self.running_samples
-                if window.started <= moment <= (window.ended or float("inf"))]
 
     def _progress(self, label: str, levels: list[int], requests_per_user: int | None, first: int) -> None:
         started = time.perf_counter()
@@ -126,9 +121,12 @@ class ExperimentRunner:
         for level in levels:
             step_records = [r for r in records if r.step == level]
             ok = [r for r in step_records if r.ok]
-            running = self.running_during(level)
+            running = samples_in_step(self.windows, self.running_samples, level)
             row = {"concurrency": level, "requests": len(step_records), "failures": len(step_records) - len(ok),
-                   "max_tokens": max_tokens, "max_running_in_vllm": max(running) if running else None}
+                   "max_tokens": max_tokens,
+                   "max_in_flight": max_overlap([(r.started, r.started + r.e2e) for r in step_records]),
+                   "max_running_in_vllm": max(running) if running else None,
+                   "running_samples_in_vllm": len(running)}
             if ok:
                 begin = min(r.started for r in ok)
                 end = max(r.started + r.e2e for r in ok)

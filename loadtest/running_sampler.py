@@ -1,6 +1,8 @@
 """Sample vLLM's num_requests_running in a separate process, so the polling and parsing never
-delay the load generator's timestamps. Prints "<perf_counter> <value>" lines (perf_counter is the
-system-wide monotonic clock on Linux, comparable with the parent's).
+delay the load generator's timestamps. Prints "<sent> <received> <value>" lines: the value was true
+at some moment between the two perf_counter readings (the system-wide monotonic clock on Linux,
+comparable with the parent's), so a reader can tell which step it belongs to even when a scrape
+is slow.
 
   python -m loadtest.running_sampler URL [--interval S] [--max-seconds S]
 """
@@ -34,12 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     deadline = time.perf_counter() + args.max_seconds
     while time.perf_counter() < deadline:
+        sent = time.perf_counter()
         try:
             value = read_running(args.url)
         except (OSError, ValueError):
             value = None
         if value is not None:
-            print(f"{time.perf_counter():.6f} {value}", flush=True)
+            print(f"{sent:.6f} {time.perf_counter():.6f} {value}", flush=True)
         time.sleep(args.interval)
     return 0
 

@@ -34,3 +34,13 @@ def precise_bucket(response_time: float) -> float:
 
 def scaled(values: dict, factor: float) -> dict:
     return {key: (value * factor if value is not None and key != "n" else value) for key, value in values.items()}
+
+
+def max_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The most (start, end) intervals open at one moment; one ending as another starts is not an overlap."""
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    most = current = 0
+    for _moment, change in events:
+        current += change
+        most = max(most, current)
+    return most

@@ -57,4 +57,12 @@ class StepState:
             self.level, self.budget, self.started_requests, self.windows = None, None, 0, []
 
 
+def samples_in_step(windows: list[StepWindow], samples: list[tuple[float, float, float]], level: int) -> list[float]:
+    """Values of (sent, received, value) samples taken wholly inside a step of this level: a slow
+    scrape that straddles a step boundary could hold either step's value, so it counts for neither."""
+    return [value for window in windows if window.level == level
+            for sent, received, value in samples
+            if window.started <= sent and received <= (window.ended or float("inf"))]
+
+
 STEP_STATE = StepState()

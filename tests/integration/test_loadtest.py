@@ -46,8 +46,13 @@ def test_concurrency_table_is_self_consistent(experiments):
         assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p90"] <= row["ttft_ms"]["p99"]
         assert 0 < row["tpot_ms"]["p50"] <= row["tpot_ms"]["p99"]
         assert row["ttft_ms"]["p99"] < row["e2e_ms"]["p99"] * (1 + 1e-9)
-        # The step really ran `level` requests at once inside vLLM, never more.
-        assert row["max_running_in_vllm"] == level
+        # The step really had `level` requests open at once, never more; vLLM never ran more than
+        # that either (a sampled gauge: on a busy 2-core machine a short step can fall between
+        # samples, so only the upper bound is exact).
+        assert row["max_in_flight"] == level
+        assert row["max_running_in_vllm"] is None or row["max_running_in_vllm"] <= level
+    # The widest step lasts long enough to be sampled: vLLM really batched concurrent requests.
+    assert rows[-1]["max_running_in_vllm"] is not None and rows[-1]["max_running_in_vllm"] >= 2
 
 
 def test_every_request_has_ttft_below_e2e(experiments):

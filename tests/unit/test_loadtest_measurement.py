@@ -171,3 +171,17 @@ def test_experiments_cli_usage_errors(argv, tmp_path):
                             env={"LOADTEST_API_KEY": "x", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and result.stderr.strip()
+
+
+def test_in_flight_and_vllm_samples_are_attributed_to_their_step():
+    from loadtest.stats_math import max_overlap
+    from loadtest.step_state import StepWindow, samples_in_step
+
+    # Back to back (one ends as the next starts) is one at a time; an overlap is two.
+    assert max_overlap([(0.0, 1.0), (1.0, 2.0), (1.5, 2.5)]) == 2
+    assert max_overlap([]) == 0
+    windows = [StepWindow(1, started=10.0, ended=20.0), StepWindow(2, started=20.0, ended=30.0)]
+    # A scrape sent in step 1 and answered in step 2 may hold either step's value: neither gets it.
+    samples = [(11.0, 11.1, 1.0), (19.9, 20.2, 2.0), (21.0, 21.1, 2.0)]
+    assert samples_in_step(windows, samples, 1) == [1.0]
+    assert samples_in_step(windows, samples, 2) == [2.0]
