@@ -20,10 +20,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lablib import (ComposeStack, GiB, ScriptArgumentParser, StackError, UsageError,
+from lablib import (ComposeStack, GiB, HostVllm, ScriptArgumentParser, StackError, UsageError,
                     add_stack_arguments, cache_config_labels, label_number, load_pyplot,
                     model_config_from_stack, parse_startup_log, progress, results_path, run_main,
-                    save_chart, served_model, write_json)
+                    save_chart, served_model, stack_from_args, write_json)
 
 DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "float": 4,
@@ -361,9 +361,9 @@ def chart(rows: list[dict], model: KVModel, max_len: int, path: Path) -> None:
     save_chart(plt, fig, path)
 
 
-def cross_check(stack: ComposeStack, args, config: dict | None) -> dict:
+def cross_check(stack: ComposeStack | HostVllm, args, config: dict | None) -> dict:
     """Compare the planner's KV tokens with what the running vLLM reports for the same KV space."""
-    progress("reading vLLM's metrics, served model and startup log through docker compose ...")
+    progress("reading vLLM's metrics, served model and startup log ...")
     labels = cache_config_labels(stack.metrics())
     model_info = served_model(stack)
     max_len = int(model_info.get("max_model_len") or args.max_model_len)
@@ -487,7 +487,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     est.add_argument("--cuda-graph-gib", type=float, default=0.42,
                      help="CUDA graph pool (default: %(default)s, the lab's measured figure; 0 with --enforce-eager)")
     parser.add_argument("--check-stack", action="store_true",
-                        help="compare with the KV cache a running vLLM reports (through docker compose)")
+                        help="compare with the KV cache a running vLLM reports (through docker compose, or --vllm-url)")
     add_stack_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--output", type=Path, help="also save the JSON here (default: results/kv_planner.json)")
@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
                                        {k: v for k, v in overhead.items() if k != "total"})
     if args.check_stack:
         try:
-            report["cross_check"] = cross_check(ComposeStack.from_args(args), args, config)
+            report["cross_check"] = cross_check(stack_from_args(args), args, config)
         except NotUnderstood as err:
             print(f"kv_planner.py: architecture not understood: {err}", file=sys.stderr)
             return 3

@@ -1,5 +1,6 @@
 """Shared pieces of the lab scripts: the error convention, progress lines, reading a running
-stack's vLLM (logs, metrics, files) through `docker compose`, and where results go."""
+stack's vLLM (logs, metrics, files) through `docker compose` or, for a vLLM run without Docker,
+through its URL and log file, and where results go."""
 
 from __future__ import annotations
 
@@ -136,7 +137,8 @@ STARTUP_PATTERNS = {
     "cpu_total_gib": re.compile(r"(?:Explicitly|Auto) set \([0-9.]+/" + _NUMBER + r"\) GiB for KV cache"),
     "model_init_seconds": re.compile(r"Initializing model took " + _NUMBER + " s"),
     "num_blocks_override": re.compile(r"with num_gpu_blocks_override=" + _NUMBER),
-    "vllm_version": re.compile(r"version ([0-9][0-9a-z.+-]*)"),
+    # The banner's "█  version 0.24.0" or "V1 LLM engine (v0.24.0)", not "FlashAttention version 3".
+    "vllm_version": re.compile(r"(?:█\s+version |LLM engine \(v)([0-9]+\.[0-9][0-9a-z.+-]*)"),
 }
 
 
@@ -166,11 +168,6 @@ class ComposeStack:
     compose_files: list[str] = field(default_factory=list)
     env_file: str | None = None
     service: str = "vllm"
-
-    @classmethod
-    def from_args(cls, args) -> "ComposeStack":
-        files = [f for item in (args.compose_file or []) for f in item.split(":") if f]
-        return cls(project_name=args.project_name, compose_files=files, env_file=args.env_file)
 
     def base_command(self) -> list[str]:
         command = ["docker", "compose"]
@@ -221,6 +218,64 @@ class ComposeStack:
         return self.python(code)
 
 
+@dataclass
+class HostVllm:
+    """A vLLM run without Docker (a bare GPU host, a Kubernetes pod with a port-forward): read over
+    its URL and from its log file; Python runs here, so the model folder must be readable here.
+    Settings that compose passes as the container's environment (DTYPE, ...) come from ours."""
+
+    url: str
+    log_file: Path
+
+    def logs(self) -> str:
+        try:
+            return self.log_file.read_text(errors="replace")
+        except OSError as err:
+            raise StackError(f"cannot read vLLM's log {self.log_file}: {err.strerror}") from err
+
+    def python(self, code: str, timeout: float = 120) -> str:
+        try:
+            result = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
+                                    timeout=timeout)
+        except subprocess.TimeoutExpired as err:
+            raise StackError(f"a local Python step took more than {timeout:.0f} s") from err
+        if result.returncode != 0:
+            message = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            raise StackError(f"a local Python step failed: {message}")
+        return result.stdout
+
+    def get(self, path: str, timeout: float = 30) -> str:
+        import urllib.error
+        import urllib.request
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
+                return response.read().decode()
+        except (urllib.error.URLError, OSError) as err:
+            raise StackError(f"cannot read {self.url + path}: {getattr(err, 'reason', err)}") from err
+
+    def metrics(self) -> list[Sample]:
+        return parse_prometheus(self.get("/metrics"))
+
+    def container_env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def read_file(self, path: str) -> str:
+        try:
+            return Path(path).read_text()
+        except OSError as err:
+            raise StackError(f"cannot read {path}: {err.strerror}") from err
+
+
+def stack_from_args(args) -> ComposeStack | HostVllm:
+    """The vLLM that add_stack_arguments' options name: a compose stack, or one given by URL."""
+    if args.vllm_url:
+        if not args.vllm_log:
+            raise UsageError("--vllm-url needs --vllm-log (vLLM's startup log, for its memory lines)")
+        return HostVllm(args.vllm_url.rstrip("/"), Path(args.vllm_log))
+    files = [f for item in (args.compose_file or []) for f in item.split(":") if f]
+    return ComposeStack(project_name=args.project_name, compose_files=files, env_file=args.env_file)
+
+
 def add_stack_arguments(parser) -> None:
     group = parser.add_argument_group("stack (read through docker compose, from the repo root)")
     group.add_argument("--project-name", "-p", default=os.environ.get("COMPOSE_PROJECT_NAME"),
@@ -229,6 +284,9 @@ def add_stack_arguments(parser) -> None:
                        help="compose file(s), repeatable or ':'-separated (default: COMPOSE_FILE from the "
                             "environment or .env)")
     group.add_argument("--env-file", help="compose env file (default: .env in the repo root)")
+    host = parser.add_argument_group("a vLLM run without Docker (instead of the compose options)")
+    host.add_argument("--vllm-url", help="vLLM's own URL, e.g. http://127.0.0.1:8000 (not the gateway)")
+    host.add_argument("--vllm-log", help="the file vLLM's output went to since its start")
 
 
 def cache_config_labels(samples: list[Sample]) -> dict[str, str]:
@@ -248,7 +306,7 @@ def label_number(labels: dict[str, str], key: str) -> float | None:
         return None
 
 
-def served_model(stack: ComposeStack) -> dict:
+def served_model(stack: ComposeStack | HostVllm) -> dict:
     """The served model's id, root (path or repo) and max_model_len from /v1/models."""
     data = json.loads(stack.get("/v1/models"))
     models = data.get("data") or []
@@ -257,7 +315,7 @@ def served_model(stack: ComposeStack) -> dict:
     return models[0]
 
 
-def model_config_from_stack(stack: ComposeStack, root: str) -> dict:
+def model_config_from_stack(stack: ComposeStack | HostVllm, root: str) -> dict:
     """config.json of the served model, read inside the container (a folder, or the HF cache)."""
     code = (
         "import json, os, sys\n"
@@ -274,7 +332,7 @@ def model_config_from_stack(stack: ComposeStack, root: str) -> dict:
         raise StackError(f"the served model's config.json ({root}) is not JSON") from err
 
 
-def parameter_count_in_stack(stack: ComposeStack, root: str) -> int | None:
+def parameter_count_in_stack(stack: ComposeStack | HostVllm, root: str) -> int | None:
     """Exact parameter count: the model built on PyTorch's meta device (no memory) by transformers."""
     code = (
         "import json, os, sys, warnings\n"

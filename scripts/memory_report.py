@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """How a running vLLM's memory is composed (the lab's first experiment, against the stack).
 
-Reads vLLM's startup log and its vllm:cache_config_info metric through `docker compose`, counts the
-served model's parameters exactly (transformers builds it on PyTorch's meta device inside the vLLM
-container, using no memory), and reports: model weights (measured where vLLM logs it, beside the
+Reads vLLM's startup log and its vllm:cache_config_info metric through `docker compose` (or, for a
+vLLM run without Docker, from --vllm-url and --vllm-log), counts the served model's parameters
+exactly (transformers builds it on PyTorch's meta device inside the vLLM container, or here for
+--vllm-url, using no memory), and reports: model weights (measured where vLLM logs it, beside the
 theoretical parameters x bytes per dtype), the KV cache pool (GiB and tokens), the CUDA graph pool
 where there is one, and the maximum concurrency at the configured max length.
 """
@@ -16,13 +17,13 @@ import sys
 from pathlib import Path
 
 from kv_planner import DTYPE_BYTES, NotUnderstood, analyse, config_dtype, estimate_parameters
-from lablib import (ComposeStack, GiB, ScriptArgumentParser, add_stack_arguments,
+from lablib import (ComposeStack, GiB, HostVllm, ScriptArgumentParser, add_stack_arguments,
                     cache_config_labels, label_number, load_pyplot, model_config_from_stack,
                     parameter_count_in_stack, parse_startup_log, progress, results_path, run_main,
-                    save_chart, served_model, write_json)
+                    save_chart, served_model, stack_from_args, write_json)
 
 
-def collect(stack: ComposeStack) -> dict:
+def collect(stack: ComposeStack | HostVllm) -> dict:
     progress("reading vLLM's metrics and served model ...")
     labels = cache_config_labels(stack.metrics())
     model_info = served_model(stack)
@@ -31,7 +32,7 @@ def collect(stack: ComposeStack) -> dict:
     log = parse_startup_log(stack.logs())
     env = stack.container_env()
     config = model_config_from_stack(stack, root)
-    progress("counting the model's parameters (meta device, inside the vLLM container) ...")
+    progress("counting the model's parameters (on PyTorch's meta device) ...")
     params = parameter_count_in_stack(stack, root)
     params_source = "transformers on the meta device"
     if params is None:
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chart", type=Path, help="PNG path (default: results/memory_report.png)")
     parser.add_argument("--no-chart", action="store_true")
     args = parser.parse_args(argv)
-    report = collect(ComposeStack.from_args(args))
+    report = collect(stack_from_args(args))
     if not args.no_chart:
         path = args.chart or results_path("memory_report.png")
         chart(report, path)

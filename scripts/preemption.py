@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from latency import DEFAULT_BASE_URL, LONG_PROMPT, Client, measure
-from lablib import (ComposeStack, ScriptArgumentParser, StackError, UsageError, add_stack_arguments,
-                    cache_config_labels, label_number, load_pyplot, metric_sum, progress,
-                    results_path, run_main, save_chart, write_json)
+from lablib import (ComposeStack, HostVllm, ScriptArgumentParser, StackError, UsageError,
+                    add_stack_arguments, cache_config_labels, label_number, load_pyplot, metric_sum,
+                    progress, results_path, run_main, save_chart, stack_from_args, write_json)
 
 SCHEDULER_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                      "vllm:num_preemptions_total")
@@ -132,7 +132,7 @@ def spread(values: list[float]) -> dict | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     client = Client(args.base_url, args.api_key, args.timeout)
-    stack = ComposeStack.from_args(args)
+    stack = stack_from_args(args)
     models = client.models()
     if not models:
         raise StackError(f"{args.base_url}/v1/models lists no model")

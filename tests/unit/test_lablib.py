@@ -62,3 +62,24 @@ num_gpu_blocks="16384",num_gpu_blocks_override="None",engine="0"} 1.0
     assert label_number(labels, "num_gpu_blocks") == 16384
     assert label_number(labels, "num_gpu_blocks_override") is None
     assert labels["cache_dtype"] == "auto"
+
+
+# vLLM 0.24.0 on an H200 (docs/gpu-results.md): FlashAttention's "version 3" is not vLLM's version.
+H200_LOG = """\
+(APIServer pid=696) INFO 12-03 11:02:13 [api_utils.py:339]  ▄▄ ▄█ █     █     █ ▀▄▀ █  version 0.24.0
+(EngineCore pid=826) INFO 12-03 11:03:11 [flash_attn.py:670] Using FlashAttention version 3
+(EngineCore pid=826) INFO 12-03 11:03:12 [model_runner.py:302] Model loading took 1.12 GiB and 2.399512 seconds
+(EngineCore pid=826) INFO 12-03 11:03:46 [gpu_worker.py:508] Available KV cache memory: 116.56 GiB
+(EngineCore pid=826) INFO 12-03 11:03:46 [kv_cache_utils.py:2146] GPU KV cache size: 1,091,296 tokens
+(EngineCore pid=826) INFO 12-03 11:03:46 [kv_cache_utils.py:2147] Maximum concurrency for 4,096 tokens per request: 266.43x
+(EngineCore pid=826) INFO 12-03 11:03:52 [model_runner.py:726] Graph capturing finished in 6 secs, took 0.50 GiB
+"""
+
+
+def test_h200_startup_log():
+    facts = parse_startup_log(H200_LOG)
+    assert facts["vllm_version"] == "0.24.0"
+    assert facts["kv_cache_device"] == "GPU"
+    assert facts["model_loading_gib"] == 1.12 and facts["available_kv_gib"] == 116.56
+    assert facts["kv_cache_tokens"] == 1_091_296 and facts["max_concurrency"] == 266.43
+    assert facts["graph_capture_gib"] == 0.50
