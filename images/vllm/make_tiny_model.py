@@ -75,6 +75,7 @@ def train_tokenizer(files: list[str], vocab_size: int):
         show_progress=False,
     )
     tokenizer.train(files, trainer)
+    tokenizer = pad_vocabulary(tokenizer, vocab_size)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token="<|endoftext|>",
@@ -84,6 +85,21 @@ def train_tokenizer(files: list[str], vocab_size: int):
         chat_template=CHAT_TEMPLATE,
         model_max_length=1 << 30,
     )
+
+
+def pad_vocabulary(tokenizer, vocab_size: int):
+    """Fill the BPE vocabulary up to vocab_size with tokens no text produces: a small corpus learns
+    fewer merges than a real model's vocabulary (Qwen3's 151,936) and vLLM wants the tokenizer to
+    cover the embedding. Plain vocabulary entries, not added tokens, so tokenizing stays as fast."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(tokenizer.to_str())
+    vocab = data["model"]["vocab"]
+    next_id = max([*vocab.values(), *(t["id"] for t in data.get("added_tokens") or [])]) + 1
+    if next_id >= vocab_size:
+        return tokenizer
+    vocab.update({f"<|reserved_{i}|>": i for i in range(next_id, vocab_size)})
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def make_model(out: Path, corpus_dir: Path, vocab_size: int, **arch) -> dict:
