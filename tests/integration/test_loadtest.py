@@ -141,3 +141,30 @@ def test_web_ui_offers_the_users_and_the_step_shape(stack):
                  "StepLoadShape"):
         assert name in page
     assert '"worker_count": 1' in page
+
+
+def test_gateway_vs_direct_benchmark_runs_in_the_stack(stack):
+    """The GPU report's command, as docs/gpu-results.md gives it for a compose stack, on the CPU stack."""
+    result = stack.compose_command(
+        "run", "--rm", "-T", "-v", f"{REPO_ROOT}:/work", "-w", "/work", "locust-master",
+        "python", "benchmarks/gateway_vs_direct.py", "--json", "--gateway", "http://nginx:8080",
+        "--direct", "http://vllm:8000", "--api-key-file", "/run/secrets/loadtest_api_key",
+        "--levels", "1,2", "--min-requests", "2", "--requests-per-client", "1", "--max-tokens", "8",
+        "--streaming-requests", "1", "--prefix-requests", "1", "--skip", "latency,memory",
+        "--results", "/work/results", check=False, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    summary = json.loads(result.stdout)
+    rows = summary["concurrency"]
+    assert [row["concurrency"] for row in rows] == [1, 2]
+    for row in rows:
+        for path in ("gateway", "direct"):
+            # Two runs per path (ABBA), every request answered, vLLM saw the same requests.
+            assert row[path]["failures"] == 0
+            assert row[path]["requests"] == 2 * max(1, 2 // row["concurrency"]) * row["concurrency"]
+            assert row[path]["throughput_tok_s"] > 0 and row[path]["vllm_ttft_mean_ms"] > 0
+        assert row["added_ttft_p50_ms"] == pytest.approx(
+            row["gateway"]["ttft_ms"]["p50"] - row["direct"]["ttft_ms"]["p50"])
+    assert summary["streaming"]["gateway"]["output_tokens"] == summary["streaming"]["direct"]["output_tokens"]
+    assert summary["prefix"]["direct"]["prompt_tokens"] > 0
+    assert {t["target"] for t in summary["targets"]} >= {"added TTFT p50 <= 1 ms", "added TTFT p99 <= 3 ms"}
