@@ -63,14 +63,24 @@ class LayerGroup:
     layers: int
     bytes_per_token: int = 0     # per layer, K and V (or the MLA latent)
     window: int | None = None    # sliding_attention only
-    state_bytes: int = 0         # per layer, fixed per request (linear attention / SSM)
+    state_bytes: int = 0         # per layer, fixed per request (linear attention / SSM), as vLLM pads it
     detail: str = ""
+    block_size: int = 16         # tokens per KV block (vLLM enlarges it beside big SSM states)
+    in_flight_tokens: int = 8192  # tokens one scheduler step may add (max_num_batched_tokens)
+
+    def tokens_per_request(self, length: int) -> int:
+        """Token slots vLLM reserves per layer for a request of `length` tokens: whole blocks; a
+        sliding window keeps its window plus one step's tokens, and one block more because the
+        window need not start at a block boundary (vLLM's SlidingWindowSpec)."""
+        if self.window:
+            kept = min(self.window - 1 + self.in_flight_tokens, length)
+            return (-(-kept // self.block_size) + 1) * self.block_size
+        return -(-length // self.block_size) * self.block_size
 
     def bytes_per_request(self, length: int) -> int:
         if self.kind in ("linear_attention", "mamba"):
             return self.layers * self.state_bytes
-        tokens = min(length, self.window) if self.window else length
-        return self.layers * self.bytes_per_token * tokens
+        return self.layers * self.bytes_per_token * self.tokens_per_request(length)
 
 
 @dataclass
@@ -144,7 +154,7 @@ def _int(cfg: dict, key: str, default: int | None = None) -> int:
     if value is None:
         raise NotUnderstood(f"the config has no '{key}'")
     if not isinstance(value, (int, float)) or value <= 0:
-        raise NotUnderstood(f"'{key}' is {value!r}, not a positive number")
+        raise UsageError(f"the model config's '{key}' is {value!r}, not a positive number")
     return int(value)
 
 
@@ -187,7 +197,40 @@ def layer_kinds(cfg: dict) -> list[str]:
 
 
 def analyse(config: dict, dtype: str = "auto", kv_cache_dtype: str = "auto",
-            state_dtype: str = "auto") -> KVModel:
+            state_dtype: str = "auto", max_num_batched_tokens: int = 8192, block_size: int = 16) -> KVModel:
+    """The model's KV cache as vLLM lays it out. A field the model needs but lacks raises
+    NotUnderstood (exit 3); a field of the wrong type, UsageError (exit 2)."""
+    try:
+        model = _analyse(config, dtype, kv_cache_dtype, state_dtype)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:
+        raise UsageError(f"the model config has a malformed field ({err.__class__.__name__}: {err})") from None
+    for group in model.groups:
+        group.block_size, group.in_flight_tokens = block_size, max_num_batched_tokens
+    pad_state_pages(model, block_size)
+    return model
+
+
+def pad_state_pages(model: KVModel, block_size: int) -> None:
+    """Hybrid models: vLLM gives every layer the same page size. An SSM / linear-attention state is
+    bigger than one attention block, so the attention block grows (in multiples of 16 tokens)
+    until its page holds the state, and the state is padded to that page."""
+    states = [g for g in model.groups if g.kind in ("linear_attention", "mamba")]
+    attention = [g for g in model.groups if g.kind not in ("linear_attention", "mamba")]
+    if not states or not attention:
+        return
+    per_token = max(g.bytes_per_token for g in attention)
+    state = max(g.state_bytes for g in states)
+    if state > block_size * per_token:
+        block_size = 16 * -(-state // (16 * per_token))
+    for group in attention:
+        group.block_size = block_size
+    for group in states:
+        group.state_bytes = block_size * per_token
+    model.notes.append(f"hybrid layout: attention blocks of {block_size} tokens, each state padded to one "
+                       f"block's page of {block_size * per_token:,} B, as vLLM unifies page sizes")
+
+
+def _analyse(config: dict, dtype: str, kv_cache_dtype: str, state_dtype: str) -> KVModel:
     cfg = text_config(config)
     model_type = str(cfg.get("model_type", ""))
     name = (config.get("architectures") or [model_type])[0]
@@ -199,6 +242,10 @@ def analyse(config: dict, dtype: str = "auto", kv_cache_dtype: str = "auto",
     kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     kv_bytes = dtype_bytes(kv_dtype, "KV cache dtype")
     state_bytes = dtype_bytes(dtype if state_dtype == "auto" else state_dtype, "state dtype")
+    # The recurrent (SSM) state's own dtype: Qwen3.5 configs name it (often float32), NemotronH's default is
+    # float32; the convolution state stays in state_bytes.
+    ssm_dtype = cfg.get("mamba_ssm_dtype") or cfg.get("mamba_ssm_cache_dtype")
+    ssm_bytes = dtype_bytes(ssm_dtype, "mamba_ssm_dtype") if state_dtype == "auto" and ssm_dtype else state_bytes
     notes: list[str] = []
 
     if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3, Kimi): one compressed latent + RoPE key per token
@@ -211,9 +258,10 @@ def analyse(config: dict, dtype: str = "auto", kv_cache_dtype: str = "auto",
 
     kinds = layer_kinds(cfg)
     heads = _int(cfg, "num_attention_heads")
-    kv_heads = _int(cfg, "num_key_value_heads", heads)
+    # Falcon names its KV heads num_kv_heads; Falcon-7B and GPT-BigCode share one (multi_query).
+    kv_heads = _int(cfg, "num_key_value_heads", cfg.get("num_kv_heads") or (1 if cfg.get("multi_query") else heads))
     hidden = _int(cfg, "hidden_size")
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    head_dim = _int(cfg, "head_dim", hidden // heads)
     if cfg.get("head_dim") and head_dim != hidden // heads:
         notes.append(f"head_dim {head_dim} differs from hidden_size / heads = {hidden // heads}; "
                      "the config's head_dim is used")
@@ -229,23 +277,24 @@ def analyse(config: dict, dtype: str = "auto", kv_cache_dtype: str = "auto",
         window = _int(cfg, "sliding_window")
         groups.append(LayerGroup("sliding_attention", count["sliding_attention"], per_token, window=window,
                                  detail=f"{kv_heads} KV heads x {head_dim} dim x 2, window {window}"))
-        notes.append(f"sliding-window layers keep at most {window} tokens each (vLLM also keeps the "
-                     "tokens of one prefill chunk beyond the window)")
+        notes.append(f"sliding-window layers keep their {window}-token window plus one scheduler step's "
+                     "tokens (--max-num-batched-tokens) and one block, as vLLM reserves them")
     if count.get("linear_attention"):
         key_dim, value_dim = _int(cfg, "linear_key_head_dim"), _int(cfg, "linear_value_head_dim")
         key_heads, value_heads = _int(cfg, "linear_num_key_heads"), _int(cfg, "linear_num_value_heads")
         kernel = _int(cfg, "linear_conv_kernel_dim")
         conv_channels = key_heads * key_dim * 2 + value_heads * value_dim
-        values = conv_channels * (kernel - 1) + value_heads * key_dim * value_dim
-        groups.append(LayerGroup("linear_attention", count["linear_attention"], state_bytes=values * state_bytes,
+        conv_values, recurrent_values = conv_channels * (kernel - 1), value_heads * key_dim * value_dim
+        groups.append(LayerGroup("linear_attention", count["linear_attention"],
+                                 state_bytes=conv_values * state_bytes + recurrent_values * ssm_bytes,
                                  detail=f"Gated DeltaNet state: conv {conv_channels}x{kernel - 1} + "
                                         f"recurrent {value_heads}x{key_dim}x{value_dim}"))
         notes.append("linear-attention layers keep a fixed-size state per request, not a per-token cache")
     if count.get("mamba"):
         inner = _int(cfg, "mamba_expand") * hidden
         conv, state = _int(cfg, "mamba_d_conv"), _int(cfg, "mamba_d_state")
-        values = inner * (conv - 1) + inner * state
-        groups.append(LayerGroup("mamba", count["mamba"], state_bytes=values * state_bytes,
+        groups.append(LayerGroup("mamba", count["mamba"],
+                                 state_bytes=inner * (conv - 1) * state_bytes + inner * state * ssm_bytes,
                                  detail=f"Mamba state: conv {inner}x{conv - 1} + SSM {inner}x{state}"))
         notes.append("Mamba layers keep a fixed-size state per request, not a per-token cache")
     return KVModel(name, model_type, dtype, kv_dtype, groups, notes)
@@ -373,8 +422,9 @@ def cross_check(stack: ComposeStack | HostVllm, args, config: dict | None) -> di
     env = stack.container_env()
     dtype = env.get("DTYPE") or "auto"
     kv_dtype = labels.get("cache_dtype", "auto")
-    model = analyse(config, dtype if dtype != "auto" else "auto", kv_dtype, args.state_dtype)
     block_size = int(label_number(labels, "block_size") or 16)
+    batched = int(label_number(labels, "max_num_batched_tokens") or args.max_num_batched_tokens)
+    model = analyse(config, dtype if dtype != "auto" else "auto", kv_dtype, args.state_dtype, batched, block_size)
     num_blocks = label_number(labels, "num_gpu_blocks")
     explicit = label_number(labels, "kv_cache_memory_bytes")
     override = label_number(labels, "num_gpu_blocks_override")
@@ -419,8 +469,9 @@ def print_cross_check(check: dict) -> None:
           f"({check['bytes_per_token']:,} B/token, {check['kv_cache_dtype']}), "
           f"max concurrency {check['predicted_max_concurrency']:.2f}x")
     if check.get("reported_tokens") is not None:
-        print(f"  vLLM reports:          {check['reported_tokens']:,} tokens, "
-              f"max concurrency {check['reported_max_concurrency']:.2f}x")
+        reported_concurrency = check.get("reported_max_concurrency")
+        print(f"  vLLM reports:          {check['reported_tokens']:,} tokens"
+              + (f", max concurrency {reported_concurrency:.2f}x" if reported_concurrency is not None else ""))
         print(f"  Difference:            {check['difference_tokens']:+,} tokens ({check['difference_percent']:+.4f} %)"
               + ("  [vLLM counts whole blocks of %d tokens]" % check["block_size"]))
     else:
@@ -435,7 +486,11 @@ def overhead_gib(args, config: dict, model: KVModel) -> dict[str, float]:
     if args.weights_gib is not None:
         weights = args.weights_gib
     else:
-        params = estimate_parameters(config)
+        try:
+            params = estimate_parameters(config)
+        except (KeyError, TypeError, ValueError) as err:
+            raise UsageError(f"cannot estimate the weight size from the config ({err.__class__.__name__}: {err}); "
+                             "pass --weights-gib") from None
         if params is None:
             raise UsageError(f"cannot estimate the weight size of model_type '{model.model_type}' from its "
                              "config; pass --weights-gib")
@@ -443,7 +498,11 @@ def overhead_gib(args, config: dict, model: KVModel) -> dict[str, float]:
     if args.activation_gib is not None:
         activation = args.activation_gib
     else:
-        activation = activation_bytes(config, act_bytes, args.max_num_batched_tokens, args.max_num_seqs) / GiB
+        try:
+            activation = activation_bytes(config, act_bytes, args.max_num_batched_tokens, args.max_num_seqs) / GiB
+        except (TypeError, ValueError, ZeroDivisionError) as err:
+            raise UsageError(f"cannot estimate the activation peak from the config ({err.__class__.__name__}); "
+                             "pass --activation-gib") from None
     parts = {"weights": weights, "activation_peak": activation, "runtime": args.runtime_overhead_gib,
              "cuda_graphs": args.cuda_graph_gib}
     return {**parts, "total": sum(parts.values())}
@@ -472,6 +531,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--state-dtype", default="auto",
                         help="dtype of linear-attention/SSM state (default: dtype)")
     parser.add_argument("--max-model-len", type=int, default=4096, help="tokens per request (default: 4096)")
+    parser.add_argument("--block-size", type=int, default=16, help="vLLM's KV block size in tokens (default: 16)")
     parser.add_argument("--utilization", default=",".join(str(u) for u in DEFAULT_UTILISATIONS),
                         help="comma-separated gpu_memory_utilization values (default: %(default)s)")
     parser.add_argument("--kv-space-gib", type=float,
@@ -480,7 +540,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     est.add_argument("--weights-gib", type=float, help="weights in GiB (default: parameters from the config x dtype)")
     est.add_argument("--activation-gib", type=float, help="peak activation in GiB (default: estimated)")
     est.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                     help="vLLM's profiling batch for the activation estimate (default: %(default)s)")
+                     help="vLLM's tokens per step: the profiling batch of the activation estimate, and what "
+                          "a sliding-window layer keeps beyond its window (default: %(default)s, vLLM's "
+                          "online default on GPUs of 70 GiB and more; 2048 on smaller ones)")
     est.add_argument("--max-num-seqs", type=int, default=1024, help="for the logits estimate (default: %(default)s)")
     est.add_argument("--runtime-overhead-gib", type=float, default=0.5,
                      help="CUDA context and other non-torch memory (default: %(default)s, the lab's figure)")
@@ -497,8 +559,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.utilisations = parse_utilisations(args.utilization)
     if args.config is None and not args.check_stack:
         raise UsageError("give a config.json or model folder (or --check-stack to use the served model's)")
-    if args.max_model_len <= 0:
-        raise UsageError("--max-model-len must be positive")
+    for name in ("max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
     for name in ("gpu_memory_gib", "kv_space_gib", "weights_gib", "activation_gib"):
         value = getattr(args, name)
         if value is not None and value <= 0 and name not in ("activation_gib",):
@@ -516,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config) if args.config else None
     report: dict = {}
     try:
-        model = analyse(config, args.dtype, args.kv_cache_dtype, args.state_dtype) if config else None
+        model = analyse(config, args.dtype, args.kv_cache_dtype, args.state_dtype, args.max_num_batched_tokens,
+                        args.block_size) if config else None
     except NotUnderstood as err:
         print(f"kv_planner.py: architecture not understood: {err}", file=sys.stderr)
         return 3

@@ -51,8 +51,12 @@ def test_mistral_sliding_window_bounds_every_layer():
     assert list(groups(m)) == ["sliding_attention"]
     assert groups(m)["sliding_attention"].window == 4096
     per_token = 32 * 8 * 128 * 2 * 2
-    assert m.bytes_per_request(2048) == 2048 * per_token
-    assert m.bytes_per_request(32768) == 4096 * per_token  # capped by the window
+    # vLLM reserves, per sliding layer, the window - 1 plus one step's 8192 tokens (capped by the
+    # request's length) in 16-token blocks, plus one block: the window need not start on a boundary.
+    assert m.bytes_per_request(2048) == (2048 + 16) * per_token
+    assert m.bytes_per_request(32768) == (768 + 1) * 16 * per_token  # cdiv(4095 + 8192, 16) = 768
+    assert analyse(load_config(CONFIGS / "mistral-7b-v0.1.json"),
+                   max_num_batched_tokens=2048).bytes_per_request(32768) == (384 + 1) * 16 * per_token
     assert m.full_bytes_per_token == 0
 
 
@@ -61,7 +65,8 @@ def test_gemma2_alternates_sliding_and_global_layers():
     g = groups(m)
     assert g["full_attention"].layers == 21 and g["sliding_attention"].layers == 21
     per_layer = 8 * 256 * 2 * 2
-    assert m.bytes_per_request(8192) == 21 * per_layer * 8192 + 21 * per_layer * 4096
+    # At 8k the 4k window saves nothing: window + one 8192-token step covers the whole request.
+    assert m.bytes_per_request(8192) == 21 * per_layer * 8192 + 21 * per_layer * (8192 + 16)
 
 
 def test_gemma3_one_global_layer_in_six():
@@ -70,7 +75,8 @@ def test_gemma3_one_global_layer_in_six():
     assert g["full_attention"].layers == 4 and g["sliding_attention"].layers == 22
     assert g["sliding_attention"].window == 512
     per_layer = 1 * 256 * 2 * 2
-    assert m.bytes_per_request(32768) == 4 * per_layer * 32768 + 22 * per_layer * 512
+    # cdiv(511 + 8192, 16) = 544 blocks, plus one
+    assert m.bytes_per_request(32768) == 4 * per_layer * 32768 + 22 * per_layer * 545 * 16
 
 
 def test_qwen3_next_linear_attention_keeps_a_fixed_state():
@@ -80,9 +86,12 @@ def test_qwen3_next_linear_attention_keeps_a_fixed_state():
     assert m.growing_bytes_per_token == 12 * 2 * 256 * 2 * 2 == 24_576
     # conv state (16*128*2 + 32*128) x (4 - 1) plus recurrent state 32 x 128 x 128, bf16
     state = ((16 * 128 * 2 + 32 * 128) * 3 + 32 * 128 * 128) * 2
-    assert g["linear_attention"].state_bytes == state == 1_097_728
-    assert m.bytes_per_request(1) - m.bytes_per_request(0) == 24_576
-    assert m.bytes_per_request(0) == 36 * state
+    assert state == 1_097_728
+    # vLLM unifies page sizes: the attention block grows to 544 tokens (16 x cdiv(state, 16 x 2,048 B))
+    # and the state is padded to that page.
+    assert g["full_attention"].block_size == 544
+    assert g["linear_attention"].state_bytes == 544 * 2048 == 1_114_112
+    assert m.bytes_per_request(4096) == 12 * 2048 * 8 * 544 + 36 * 1_114_112
 
 
 def test_jamba_attention_every_eighth_layer_rest_mamba():
@@ -91,7 +100,41 @@ def test_jamba_attention_every_eighth_layer_rest_mamba():
     assert g["full_attention"].layers == 4 and g["mamba"].layers == 28
     assert m.growing_bytes_per_token == 4 * 8 * 128 * 2 * 2
     inner = 2 * 4096
-    assert g["mamba"].state_bytes == (inner * 3 + inner * 16) * 2
+    state = (inner * 3 + inner * 16) * 2  # 311,296 B
+    assert g["full_attention"].block_size == 16 * 5  # cdiv(state, 16 x 4,096 B) = 5
+    assert g["mamba"].state_bytes == 80 * 4096 >= state
+
+
+def test_hybrid_with_float32_ssm_state_matches_the_labs_vllm_log():
+    """The lab's Qwen3.5-0.8B run: vLLM logged 3.06 GiB of KV space and 44.73x concurrency at 4,096
+    tokens. The dimensions below are that model's as we read them (3 Gated DeltaNet layers to 1
+    attention layer, recurrent state in float32 as its mamba_ssm_dtype says)."""
+    config = {"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "hidden_size": 1024,
+              "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+              "layer_types": ["linear_attention"] * 3 + ["full_attention"], "full_attention_interval": 4,
+              "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+              "linear_num_key_heads": 16, "linear_num_value_heads": 16, "mamba_ssm_dtype": "float32",
+              "torch_dtype": "bfloat16"}
+    config["layer_types"] = config["layer_types"] * 6
+    m = analyse(config)
+    g = groups(m)
+    # conv (16*128*2 + 16*128) x 3 in bf16 + recurrent 16 x 128 x 128 in fp32 = 1,085,440 B -> 544-token blocks
+    assert g["full_attention"].block_size == 544
+    concurrency, _ = m.capacity(3.06 * GiB, 4096)
+    assert concurrency == pytest.approx(44.73, rel=0.005)
+    # Without the fp32 state and the padding the estimate was 54.4x, 22% too many requests.
+    assert analyse(config, state_dtype="bfloat16").capacity(3.06 * GiB, 4096)[0] > 47
+
+
+@pytest.mark.parametrize("fields, kv_heads", [
+    ({"num_kv_heads": 8, "new_decoder_architecture": True}, 8),  # Falcon-40B/180B
+    ({"multi_query": True}, 1),                                  # Falcon-7B, GPT-BigCode
+    ({}, 64),
+])
+def test_falcon_style_kv_head_fields(fields, kv_heads):
+    config = {"model_type": "falcon", "architectures": ["FalconForCausalLM"], "hidden_size": 8192,
+              "num_hidden_layers": 60, "num_attention_heads": 64, "torch_dtype": "bfloat16", **fields}
+    assert analyse(config).growing_bytes_per_token == 60 * kv_heads * 128 * 2 * 2
 
 
 def test_deepseek_v3_mla_stores_one_latent_per_layer():
@@ -201,10 +244,17 @@ def test_cli_model_folder_and_kv_space(tmp_path):
      "outside (0, 1]"),
     (lambda d: [str(CONFIGS / "llama-3-8b.json")], "--gpu-memory-gib"),
     (lambda d: [str(CONFIGS / "llama-3-8b.json"), "--gpu-memory-gib", "many"], "invalid float"),
+    (lambda d: [str(d / "head_dim.json"), "--kv-space-gib", "1"], "'head_dim' is 'x', not a positive number"),
+    (lambda d: [str(d / "no_vocab.json"), "--gpu-memory-gib", "80"], "pass --weights-gib"),
+    (lambda d: [str(CONFIGS / "llama-3-8b.json"), "--gpu-memory-gib", "80", "--block-size", "0"],
+     "--block-size must be positive"),
 ])
 def test_cli_bad_input_one_line_exit_2(tmp_path, make_args, message):
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "broken.json").write_text("{not json")
+    llama = json.loads((CONFIGS / "llama-3-8b.json").read_text())
+    (tmp_path / "head_dim.json").write_text(json.dumps({**llama, "head_dim": "x"}))
+    (tmp_path / "no_vocab.json").write_text(json.dumps({k: v for k, v in llama.items() if k != "vocab_size"}))
     result = run_planner(*make_args(tmp_path))
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
