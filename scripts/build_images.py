@@ -104,7 +104,13 @@ def stage_ca_certificates(extra: list[Path], use_host: bool) -> list[str]:
     sources += extra
     staged = []
     for index, source in enumerate(sources):
-        text = source.read_text()
+        try:
+            text = source.read_text()
+        except UnicodeDecodeError:
+            raise BuildError(f"{source} is not a PEM certificate (a DER one? convert it: "
+                             f"openssl x509 -inform der -in {source} -out {source.stem}.crt)") from None
+        except OSError as error:
+            raise BuildError(f"{source}: {error.strerror}") from None
         if "-----BEGIN CERTIFICATE-----" not in text:
             raise BuildError(f"{source} is not a PEM certificate")
         target = EXTRA_CA_DIR / f"{index:02d}-{source.stem}.crt"

@@ -19,15 +19,7 @@ phase() {
 run_started=$phase_started
 
 phase "tools: Docker Compose v2, mmdebstrap"
-scripts/install-compose.sh
-if ! command -v mmdebstrap >/dev/null; then
-    if [[ $(id -u) -eq 0 ]]; then
-        apt-get update -qq && apt-get install -y -qq mmdebstrap >/dev/null
-    else
-        echo "test.sh: mmdebstrap is missing; install it (sudo apt-get install mmdebstrap)" >&2
-        exit 1
-    fi
-fi
+scripts/install-tools.sh --build
 
 phase "test dependencies (.venv)"
 [[ -x .venv/bin/python ]] || python3 -m venv .venv

@@ -31,13 +31,20 @@ case $mode in
     cpu) compose_file=compose.yaml:compose.airgap.yaml:compose.cpu.yaml ;;
 esac
 
-scripts/install-compose.sh
+if [[ $mode == gpu ]]; then scripts/install-tools.sh; else scripts/install-tools.sh --build; fi
 
 if [[ ! -f .env ]]; then
     sed "s|^COMPOSE_FILE=.*|COMPOSE_FILE=$compose_file|" .env.example > .env
     echo "Wrote .env for the $mode mode; edit it to change the model or limits." >&2
 fi
-set -a; source .env; set +a
+# .env in compose's syntax (KEY=value, no shell quoting): the shell's environment wins, as with compose.
+while IFS= read -r line || [[ -n "$line" ]]; do
+    [[ "$line" =~ ^[[:space:]]*([A-Za-z_][A-Za-z0-9_]*)=(.*)$ ]] || continue
+    name=${BASH_REMATCH[1]} value=${BASH_REMATCH[2]}
+    [[ -n "${!name+set}" ]] && continue
+    [[ "$value" =~ ^\"(.*)\"$ || "$value" =~ ^\'(.*)\'$ ]] && value=${BASH_REMATCH[1]}
+    export "$name=$value"
+done < .env
 if [[ "$COMPOSE_FILE" != "$compose_file" ]]; then
     echo "up.sh: .env has COMPOSE_FILE=$COMPOSE_FILE; starting the $mode mode ($compose_file) for this run" >&2
     export COMPOSE_FILE=$compose_file
