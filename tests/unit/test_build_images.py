@@ -66,6 +66,10 @@ def test_a_non_pem_ca_file_is_refused(tmp_path, monkeypatch):
     not_pem.write_text("hello")
     with pytest.raises(build_images.BuildError, match="not a PEM certificate"):
         build_images.stage_ca_certificates([not_pem], use_host=False)
+    der = tmp_path / "corp.der"
+    der.write_bytes(b"\x30\x82\x03\xfd\x30\x82\x02\xe5\xa0\x03\x02\x01\x02\xff\xfe")
+    with pytest.raises(build_images.BuildError, match="a DER one\\? convert it: openssl x509 -inform der"):
+        build_images.stage_ca_certificates([der], use_host=False)
 
 
 def test_ca_certificates_are_staged_for_the_build_context(tmp_path, monkeypatch):
