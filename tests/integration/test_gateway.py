@@ -121,6 +121,35 @@ def test_oversized_body_is_413_json(stack):
     assert error_body(response)["code"] == "request_too_large"
 
 
+def raw_exchange(port: int, data: bytes) -> tuple[int, dict, bytes]:
+    """Send bytes exactly as given; returns (status, headers, body) of the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split()[1]), headers, body
+
+
+@pytest.mark.parametrize("data, status, code", [
+    (b"GARBAGE\r\n\r\n", 400, "bad_request"),
+    (b"GET /v1/models?" + b"q" * 10_000 + b" HTTP/1.1\r\nHost: localhost\r\n\r\n", 414, "uri_too_long"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"b" * 20_000 + b"\r\n\r\n",
+     431, "headers_too_large"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: gzip\r\n\r\n",
+     501, "not_implemented"),
+], ids=["bad-request-line", "10kb-url", "20kb-header", "unknown-transfer-encoding"])
+def test_malformed_requests_get_json_errors(stack, data, status, code):
+    """Errors nginx raises before it knows the route are JSON too, never its HTML pages."""
+    answered, headers, body = raw_exchange(stack.port, data)
+    assert answered == status, body[:300]
+    assert headers["Content-Type"].startswith("application/json")
+    assert json.loads(body)["error"]["code"] == code
+
+
 def test_vllm_errors_pass_through_unchanged(stack):
     payload = {"model": MODEL, "prompt": "hi", "max_tokens": -5}
     through_gateway = requests.post(stack.url("/v1/completions"), headers=stack.auth(), json=payload, timeout=30)
@@ -270,3 +299,8 @@ def test_vllm_down_or_loading_gives_json_error_at_once(stack):
     # Started again, vLLM loads its model for a minute before it listens: still an error at once.
     stack.compose_command("start", "vllm")
     assert_unavailable_at_once()
+    # Once vLLM has loaded again, the gateway serves again, with nothing restarted by hand.
+    deadline = time.monotonic() + 300
+    while (status := chat(stack).status_code) != 200 and time.monotonic() < deadline:
+        time.sleep(3)
+    assert status == 200
