@@ -10,8 +10,8 @@ histograms over the same requests), with the lab's tables for both paths:
   prefix       TTFT with and without a shared system prompt;
   latency      scripts/latency.py (short and long prompt, medians);
   memory       scripts/memory_report.py and scripts/kv_planner.py --check-stack (vLLM only).
-Run it where both URLs answer: on the host running vLLM and nginx without Docker (what
-benchmarks/gpu_host/ does), or in the stack's network:
+Run it where both URLs answer: on a host running vLLM and nginx without Docker (started by
+benchmarks/bare_stack.py), or in the stack's network:
   docker compose logs --no-log-prefix vllm > results/vllm.log
   docker compose run --rm -T -v "$PWD:/work" -w /work locust-master python benchmarks/gateway_vs_direct.py \\
       --gateway http://nginx:8080 --direct http://vllm:8000 --vllm-log results/vllm.log

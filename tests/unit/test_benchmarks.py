@@ -58,6 +58,9 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
     ("gateway_vs_direct.py", ["--gateway", "g", "--direct", "d", "--skip", "warp"], "unknown part"),
     ("gateway_vs_direct.py", ["--gateway", "g", "--direct", "d", "--api-key-file", "/nonexistent"], "no API key file"),
     ("gateway_vs_direct.py", ["--render", "/nonexistent.json"], "--render takes"),
+    ("loadtest_fidelity.py", ["--levels", "1,x"], "comma-separated integers"),
+    ("loadtest_fidelity.py", ["--max-tokens", "1"], "at least 2"),
+    ("loadtest_fidelity.py", ["--bogus"], "unrecognized arguments"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(script, args, message):
     result = run(script, *args)
@@ -72,6 +75,13 @@ def test_unreachable_server_is_exit_1(tmp_path):
     result = run("gateway_vs_direct.py", "--gateway", "http://127.0.0.1:9", "--direct", "http://127.0.0.1:9",
                  "--api-key-file", str(key), "--results", str(tmp_path))
     assert result.returncode == 1 and "does not answer" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_fidelity_against_an_unreachable_vllm_is_exit_1():
+    result = run("loadtest_fidelity.py", "--direct", "http://127.0.0.1:9", "--levels", "1")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == ["loadtest_fidelity: cannot read http://127.0.0.1:9/v1/models: "
+                                                  "<urlopen error [Errno 111] Connection refused>"]
 
 
 def test_render_the_committed_gpu_run(tmp_path):
