@@ -73,7 +73,9 @@ def stat(title: str, targets: list[dict], description: str, unit: str = "short",
 
 
 def heatmap(title: str, metric: str, description: str) -> dict:
-    expr = f"sum by (le) (increase({metric}_bucket{{{VLLM}}}[$__rate_interval]))"
+    # A rate, not increase(): $__rate_interval windows overlap from one cell to the next, so
+    # increase() would count each observation in several cells.
+    expr = f"sum by (le) (rate({metric}_bucket{{{VLLM}}}[$__rate_interval]))"
     return panel("heatmap", title, [target(expr, "{{le}}", format="heatmap")], 12, 9, description, "s",
                  options={"calculate": False, "yAxis": {"unit": "s"}, "cellGap": 1,
                           "color": {"mode": "scheme", "scheme": "Spectral", "steps": 64},
@@ -263,9 +265,9 @@ def latency_dashboard() -> dict:
                    "throughput and gateway dashboard).", "s", overrides=mean_dash),
         row("Distributions"),
         heatmap("TTFT heatmap", "vllm:time_to_first_token_seconds",
-                "Requests per TTFT bucket over time (vLLM's histogram buckets)."),
+                "Requests per second in each TTFT bucket (vLLM's histogram buckets)."),
         heatmap("Inter-token latency heatmap", "vllm:inter_token_latency_seconds",
-                "Tokens per inter-token-latency bucket over time."),
+                "Tokens per second in each inter-token-latency bucket."),
         row("Where the time goes, and the objectives"),
         timeseries("Mean queue / prefill / decode time per request", [
             target(f"sum(instance_model_name:vllm_{metric}_sum:rate1m{{{VLLM}}}) / "

@@ -201,3 +201,39 @@ def test_gateway_routes_protect_prometheus_and_resolve_late():
         # A variable in proxy_pass makes nginx resolve per request: the gateway starts without them.
         assert re.search(r"proxy_pass http://\$\w+;", text), name
         assert "resolver 127.0.0.11" in text
+
+
+def test_gpu_panels_compute_from_dcgm_exporter_series(tmp_path):
+    """No GPU here, so the GPU panels' queries run in promtool over series shaped like the DCGM
+    exporter's (two GPUs, its labels, MiB), and must give bytes per GPU and the utilisation."""
+    from test_prometheus_rules import prometheus_image
+
+    sys.path.insert(0, str(GRAFANA_DIR))
+    import panel_queries
+
+    queries = {q.legend.split(",")[0]: q.expr for q in panel_queries.panel_queries() if "DCGM_" in q.expr}
+    assert set(queries) == {"used", "total", "vLLM's limit (x $gpu_memory_utilization)", "GPU {{gpu}}"}, queries
+    used, free, util = {"0": 120_000, "1": 1_000}, {"0": 23_771, "1": 142_771}, {"0": 87, "1": 3}
+    labels = 'gpu="{gpu}",UUID="GPU-{gpu}",device="nvidia{gpu}",modelName="NVIDIA H200",job="dcgm",instance="dcgm-exporter:9400"'
+    series = [{"series": f"{name}{{{labels.format(gpu=gpu)}}}", "values": f"{values[gpu]}x10"}
+              for name, values in (("DCGM_FI_DEV_FB_USED", used), ("DCGM_FI_DEV_FB_FREE", free),
+                                   ("DCGM_FI_DEV_GPU_UTIL", util)) for gpu in ("0", "1")]
+    expected = {
+        "used": {gpu: used[gpu] * 1048576 for gpu in used},
+        "total": {gpu: (used[gpu] + free[gpu]) * 1048576 for gpu in used},
+        "vLLM's limit (x $gpu_memory_utilization)": {gpu: (used[gpu] + free[gpu]) * 1048576 * 0.85 for gpu in used},
+    }
+    tests = [{"expr": queries[name].replace("$gpu_memory_utilization", "0.85"), "eval_time": "5m",
+              "exp_samples": [{"labels": f'{{gpu="{gpu}"}}', "value": value} for gpu, value in values.items()]}
+             for name, values in expected.items()]
+    tests.append({"expr": queries["GPU {{gpu}}"], "eval_time": "5m",
+                  "exp_samples": [{"labels": f"DCGM_FI_DEV_GPU_UTIL{{{labels.format(gpu=gpu)}}}", "value": value}
+                                  for gpu, value in util.items()]})
+    (tmp_path / "gpu_panels.test.yml").write_text(yaml.safe_dump(
+        {"rule_files": [], "tests": [{"interval": "1m", "input_series": series, "promql_expr_test": tests}]}))
+    tmp_path.chmod(0o755)  # promtool runs as the image's non-root user
+    (tmp_path / "gpu_panels.test.yml").chmod(0o644)
+    result = subprocess.run(["docker", "run", "--rm", "--network", "none", "-v", f"{tmp_path}:/tests:ro",
+                             "-w", "/tests", "--entrypoint", "promtool", prometheus_image(),
+                             "test", "rules", "gpu_panels.test.yml"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
