@@ -129,6 +129,26 @@ class Stack:
             raise KeyError(f"vLLM exports no metric {name}")
         return total
 
+    def locust_swarm(self, user_classes: list[str], users: int, seconds: float) -> dict:
+        """A load test started and stopped in Locust's web UI, through nginx with its login, as a
+        person would; returns the web UI's statistics taken just before the stop."""
+        import time
+
+        import requests
+
+        auth = ("admin", self.passwords["locust"])
+        form = [("user_count", str(users)), ("spawn_rate", str(users)), ("host", "http://nginx:8080"),
+                ("shape_class", "Default"), *(("user_classes", name) for name in user_classes)]
+        started = requests.post(self.url("/locust/swarm"), data=form, auth=auth, timeout=30)
+        started.raise_for_status()
+        assert started.json()["success"], started.text
+        try:
+            time.sleep(seconds)
+            stats = requests.get(self.url("/locust/stats/requests"), auth=auth, timeout=30).json()
+        finally:
+            requests.get(self.url("/locust/stop"), auth=auth, timeout=30)
+        return stats
+
     def nginx_access_log(self) -> list[dict]:
         lines = self.compose_command("logs", "--no-color", "--no-log-prefix", "nginx").stdout.splitlines()
         entries = []

@@ -18,7 +18,7 @@ RESULTS = REPO_ROOT / "results"
 sys.path.insert(0, str(REPO_ROOT / "grafana"))
 import panel_queries  # noqa: E402
 
-REQUIRED_JOBS = {"vllm", "gateway", "prometheus"}
+REQUIRED_JOBS = {"vllm", "gateway", "loadtest", "prometheus"}
 COMPLETED_REQUESTS = 12
 
 
@@ -72,6 +72,9 @@ def traffic(stack):
         if session.get(stack.url("/v1/models"), headers=stack.auth("burst"), timeout=30).status_code == 429:
             sent["rate_limited"] += 1
     assert sent["rate_limited"] > 0, "the burst never reached the rate limit"
+    # A short load test from Locust's web UI: the dashboards' client-side panels need its metrics.
+    stats = stack.locust_swarm(["StreamingChatUser"], users=2, seconds=15)
+    sent["loadtest"] = next(entry["num_requests"] for entry in stats["stats"] if entry["name"] == "Aggregated")
     return sent
 
 
@@ -123,6 +126,8 @@ def test_every_panel_query_returns_data(stack, traffic):
     # vLLM counted every request, and the 1m recording rules have been evaluated over them.
     wait_for("vLLM's requests in Prometheus", lambda: scalar(
         prometheus, "sum(vllm:e2e_request_latency_seconds_count)") >= traffic["ok"])
+    wait_for("the load test's client-side TTFTs in Prometheus", lambda: scalar(
+        prometheus, "sum(loadtest_time_to_first_token_seconds_count)") > 0)
     wait_for("the recording rules", lambda: scalar(
         prometheus, "count(instance_model_name:vllm_generation_tokens:rate1m > 0)") > 0)
     results = panel_queries.run_all(prometheus, minutes=10)
