@@ -525,7 +525,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = ScriptArgumentParser(prog="kv_planner.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", type=Path,
                         help="config.json or a model folder (optional with --check-stack: the served model's)")
-    parser.add_argument("--gpu-memory-gib", type=float, help="GPU memory in GiB (e.g. 139.8 for an H200)")
+    parser.add_argument("--gpu-memory-gib", type=float, help="GPU memory in GiB (e.g. 140.4 for an H200)")
     parser.add_argument("--dtype", default="auto", help="weights/activations dtype (default: the config's)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype: auto (= dtype), fp8, ...")
     parser.add_argument("--state-dtype", default="auto",
