@@ -129,17 +129,25 @@ def default_keys_file() -> Path:
     return path if path.is_absolute() else REPO_ROOT / path
 
 
-def reload_gateway() -> str:
-    """Ask a running gateway to re-read the keys; a stopped one reads them when it starts."""
+def reload_gateway() -> tuple[bool, str]:
+    """Ask a running gateway to re-read the keys; a stopped one reads them when it starts.
+    (False, why) when nginx is running but would not take the new configuration."""
+    nginx = ["docker", "compose", "exec", "-T", "nginx", "nginx"]
     try:
-        result = subprocess.run(
-            ["docker", "compose", "exec", "-T", "nginx", "nginx", "-s", "reload"],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+        check = subprocess.run([*nginx, "-t", "-q"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+        if check.returncode == 0:
+            reload = subprocess.run([*nginx, "-s", "reload"], cwd=REPO_ROOT, capture_output=True, text=True,
+                                    timeout=60)
+            if reload.returncode == 0:
+                return True, "gateway reloaded"
+            check = reload
     except (OSError, subprocess.TimeoutExpired):
-        return "gateway not reloaded (docker compose unavailable); it reads the keys when it starts"
-    if result.returncode == 0:
-        return "gateway reloaded"
-    return "gateway not running; it reads the keys when it starts"
+        return True, "gateway not reloaded (docker compose unavailable); it reads the keys when it starts"
+    output = (check.stderr + check.stdout).strip()
+    if "nginx: [emerg]" in output or "test failed" in output:
+        last = output.splitlines()[-1] if output else ""
+        return False, f"gateway NOT reloaded, it keeps the previous keys: nginx rejected the configuration ({last})"
+    return True, "gateway not running; it reads the keys when it starts"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -178,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"apikeys: {path}: {err.strerror}", file=sys.stderr)
         return 2
     if not args.no_reload:
-        print(reload_gateway(), file=sys.stderr)
+        reloaded, message = reload_gateway()
+        print(message, file=sys.stderr)
+        if not reloaded:
+            return 1
     return 0
 
 

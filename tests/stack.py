@@ -21,6 +21,7 @@ TEST_SETTINGS = {
     "GATEWAY_BIND_ADDRESS": "127.0.0.1",
     "RATE_LIMIT_PER_KEY": "20r/s",
     "RATE_LIMIT_BURST": "20",
+    "RATE_LIMIT_RETRY_AFTER": "3",
     "MAX_CONCURRENT_REQUESTS_PER_KEY": "8",
     "MAX_REQUEST_BODY_SIZE": "64k",
 }
@@ -43,6 +44,7 @@ class Stack:
         files = os.environ.get("LLM_STACK_COMPOSE_FILES", ":".join(CPU_COMPOSE_FILES)).split(":")
         # A developer may start part of the stack, e.g. LLM_STACK_SERVICES=nginx,vllm.
         services = services or [s for s in os.environ.get("LLM_STACK_SERVICES", "").split(",") if s] or None
+        self.compose_files = files
         self.env_file = workdir / "stack.env"
         self.compose = DockerCompose(REPO_ROOT, compose_file_name=files, env_file=str(self.env_file),
                                      wait=True, build=False, pull=False, services=services)
@@ -101,6 +103,12 @@ class Stack:
 
     def environment(self) -> dict[str, str]:
         return {**os.environ, "COMPOSE_PROJECT_NAME": self.project}
+
+    def user_environment(self) -> dict[str, str]:
+        """What a user's shell has after up.sh: the stack's settings and compose files, so plain
+        `docker compose ...` (and scripts that call it) reach this stack."""
+        settings = dict(line.split("=", 1) for line in self.env_file.read_text().splitlines() if "=" in line)
+        return {**os.environ, **settings, "COMPOSE_FILE": ":".join(self.compose_files)}
 
     def start(self) -> None:
         self.prepare()

@@ -153,3 +153,21 @@ def test_every_panel_query_returns_data(stack, traffic):
     assert not errors, "queries Prometheus rejected:\n" + "\n".join(errors)
     assert not empty, "queries without data:\n" + "\n".join(empty)
     assert sum(entry["with_data"] for entry in summary.values()) > 0
+
+
+@pytest.mark.destructive
+def test_prometheus_data_survives_a_restart(stack, traffic):
+    """The TSDB lives in a named volume: what was scraped before a restart is still there after."""
+    prometheus = prometheus_client(stack)
+    expr, moment = "sum(vllm:e2e_request_latency_seconds_count)", time.time() - 20
+    before = prometheus.get("/api/v1/query", {"query": expr, "time": moment})["result"]
+    assert before and float(before[0]["value"][1]) >= traffic["ok"]
+    stack.compose_command("restart", "prometheus", timeout=180)
+
+    def answered_again():
+        try:
+            return prometheus.get("/api/v1/query", {"query": expr, "time": moment})["result"]
+        except panel_queries.PrometheusError:
+            return None
+
+    assert wait_for("Prometheus answering after its restart", answered_again, timeout=120) == before
