@@ -96,3 +96,7 @@ def test_render_the_committed_gpu_run(tmp_path):
     # The sweep doubled the level until throughput stopped growing (at 128 in the committed run).
     levels = [row["concurrency"] for row in data["concurrency"]]
     assert levels == [2 ** i for i in range(len(levels))] and len(levels) >= 5
+    # vLLM's own num_requests_running gauge reached every level up to 64 on both paths.
+    for row in data["concurrency"]:
+        if row["concurrency"] <= 64:
+            assert row["direct"]["max_running_in_vllm"] == row["gateway"]["max_running_in_vllm"] == row["concurrency"]
