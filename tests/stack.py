@@ -145,6 +145,18 @@ class Stack:
         import requests
 
         auth = ("admin", self.passwords["locust"])
+
+        def wait_until_idle() -> None:
+            # A stop takes effect on the workers a moment later; a new run must not start before.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                state = requests.get(self.url("/locust/stats/requests"), auth=auth, timeout=30).json()["state"]
+                if state in ("ready", "stopped"):
+                    return
+                time.sleep(0.5)
+            raise AssertionError(f"Locust still '{state}' a minute after the stop")
+
+        wait_until_idle()
         form = [("user_count", str(users)), ("spawn_rate", str(users)), ("host", "http://nginx:8080"),
                 ("shape_class", "Default"), *(("user_classes", name) for name in user_classes)]
         started = requests.post(self.url("/locust/swarm"), data=form, auth=auth, timeout=30)
@@ -154,7 +166,8 @@ class Stack:
             time.sleep(seconds)
             stats = requests.get(self.url("/locust/stats/requests"), auth=auth, timeout=30).json()
         finally:
-            requests.get(self.url("/locust/stop"), auth=auth, timeout=30)
+            requests.post(self.url("/locust/stop"), auth=auth, timeout=30).raise_for_status()
+        wait_until_idle()
         return stats
 
     def nginx_access_log(self) -> list[dict]:

@@ -146,20 +146,27 @@ def test_web_ui_offers_the_users_and_the_step_shape(stack):
 
 
 def test_web_ui_run_with_a_worker_keeps_sub_millisecond_precision_and_exports_metrics(stack):
-    """A run started in the browser (the web UI's form, through nginx with the login): the worker
-    sends streamed chat and non-streamed completions through the gateway; the UI's table has the
+    """Runs started in the browser (the web UI's form, through nginx with the login): the worker
+    sends non-streamed completions, then streamed chat, through the gateway; the UI's table has the
     streaming entries with their precision kept, and Prometheus scraped the worker's histograms."""
-    stats = stack.locust_swarm(["StreamingChatUser", "CompletionUser"], users=3, seconds=20)
-    assert stats["worker_count"] == 1
-    entries = {(entry["method"], entry["name"]): entry for entry in stats["stats"] if entry["name"] != "Aggregated"}
-    chat, completions = "/v1/chat/completions stream", "/v1/completions"
-    for key in (("E2E", chat), ("TTFT", chat), ("TPOT", chat), ("ITL", chat), ("E2E", completions)):
+    def entries_of(stats: dict) -> dict:
+        assert stats["worker_count"] == 1
+        return {(entry["method"], entry["name"]): entry for entry in stats["stats"] if entry["name"] != "Aggregated"}
+
+    # One user class per run: with several, Locust's split of a few users between them varies.
+    completions = "/v1/completions"
+    entries = entries_of(stack.locust_swarm(["CompletionUser"], users=1, seconds=6))
+    assert entries[("E2E", completions)]["num_requests"] > 0 and entries[("E2E", completions)]["num_failures"] == 0
+    assert ("TTFT", completions) not in entries  # a non-streamed answer has no first chunk to time
+
+    chat = "/v1/chat/completions stream"
+    entries = entries_of(stack.locust_swarm(["StreamingChatUser"], users=2, seconds=15))
+    for key in (("E2E", chat), ("TTFT", chat), ("TPOT", chat), ("ITL", chat)):
         assert key in entries, sorted(entries)
         assert entries[key]["num_requests"] > 0 and entries[key]["num_failures"] == 0, entries[key]
-    assert ("TTFT", completions) not in entries  # a non-streamed answer has no first chunk to time
     # Locust alone keeps its percentiles in whole milliseconds; these keep 0.01 ms below 10 ms.
-    # (The UI rounds min and max itself, so the medians and percentiles are what to look at.)
-    percentiles = {key: (entries[key]["median_response_time"], entries[key]["response_time_percentile_0.9"])
+    # (The UI rounds min and max itself, so the medians and p95s are what to look at.)
+    percentiles = {key: (entries[key]["median_response_time"], entries[key]["response_time_percentile_0.95"])
                    for key in entries if key[0] in ("TPOT", "ITL", "TTFT")}
     assert any(value % 1 for pair in percentiles.values() for value in pair if value), percentiles
     ttft, e2e = entries[("TTFT", chat)], entries[("E2E", chat)]

@@ -75,6 +75,7 @@ def traffic(stack):
     # A short load test from Locust's web UI: the dashboards' client-side panels need its metrics.
     stats = stack.locust_swarm(["StreamingChatUser"], users=2, seconds=15)
     sent["loadtest"] = next(entry["num_requests"] for entry in stats["stats"] if entry["name"] == "Aggregated")
+    sent["finished_at"] = time.time()
     return sent
 
 
@@ -159,7 +160,8 @@ def test_every_panel_query_returns_data(stack, traffic):
 def test_prometheus_data_survives_a_restart(stack, traffic):
     """The TSDB lives in a named volume: what was scraped before a restart is still there after."""
     prometheus = prometheus_client(stack)
-    expr, moment = "sum(vllm:e2e_request_latency_seconds_count)", time.time() - 20
+    # A moment of the traffic: later tests may have restarted vLLM, whose counters start again.
+    expr, moment = "sum(vllm:e2e_request_latency_seconds_count)", traffic["finished_at"]
     before = prometheus.get("/api/v1/query", {"query": expr, "time": moment})["result"]
     assert before and float(before[0]["value"][1]) >= traffic["ok"]
     stack.compose_command("restart", "prometheus", timeout=180)
