@@ -68,6 +68,11 @@ class LayerGroup:
     block_size: int = 16         # tokens per KV block (vLLM enlarges it beside big SSM states)
     in_flight_tokens: int = 8192  # tokens one scheduler step may add (max_num_batched_tokens)
 
+    @property
+    def keeps_state(self) -> bool:
+        """A fixed-size state per request (linear attention / SSM), not a per-token cache."""
+        return self.kind in ("linear_attention", "mamba")
+
     def tokens_per_request(self, length: int) -> int:
         """Token slots vLLM reserves per layer for a request of `length` tokens: whole blocks; a
         sliding window keeps its window plus one step's tokens, and one block more because the
@@ -78,7 +83,7 @@ class LayerGroup:
         return -(-length // self.block_size) * self.block_size
 
     def bytes_per_request(self, length: int) -> int:
-        if self.kind in ("linear_attention", "mamba"):
+        if self.keeps_state:
             return self.layers * self.state_bytes
         return self.layers * self.bytes_per_token * self.tokens_per_request(length)
 
@@ -214,8 +219,8 @@ def pad_state_pages(model: KVModel, block_size: int) -> None:
     """Hybrid models: vLLM gives every layer the same page size. An SSM / linear-attention state is
     bigger than one attention block, so the attention block grows (in multiples of 16 tokens)
     until its page holds the state, and the state is padded to that page."""
-    states = [g for g in model.groups if g.kind in ("linear_attention", "mamba")]
-    attention = [g for g in model.groups if g.kind not in ("linear_attention", "mamba")]
+    states = [g for g in model.groups if g.keeps_state]
+    attention = [g for g in model.groups if not g.keeps_state]
     if not states or not attention:
         return
     per_token = max(g.bytes_per_token for g in attention)
@@ -372,7 +377,7 @@ def plan_rows(model: KVModel, gpu_gib: float, utilisations: list[float], max_len
 def describe(model: KVModel, max_len: int) -> list[str]:
     lines = [f"Model: {model.name} ({model.model_type}), dtype {model.dtype}, KV cache dtype {model.kv_cache_dtype}"]
     for g in model.groups:
-        if g.kind in ("linear_attention", "mamba"):
+        if g.keeps_state:
             lines.append(f"  {g.layers:3d} {g.kind:<17} layers: {g.detail} = {g.state_bytes:,} B per layer "
                          f"per request (fixed)")
         else:

@@ -8,9 +8,11 @@ import secrets
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
+import requests
 from testcontainers.compose import DockerCompose
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -140,10 +142,6 @@ class Stack:
     def locust_swarm(self, user_classes: list[str], users: int, seconds: float) -> dict:
         """A load test started and stopped in Locust's web UI, through nginx with its login, as a
         person would; returns the web UI's statistics taken just before the stop."""
-        import time
-
-        import requests
-
         auth = ("admin", self.passwords["locust"])
 
         def wait_until_idle() -> None:

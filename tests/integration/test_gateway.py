@@ -287,19 +287,19 @@ def test_keys_created_and_revoked_with_the_helper_take_effect_at_once(stack):
     def status_with(key: str) -> int:
         return requests.get(stack.url("/v1/models"), headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code
 
+    def status_becomes(key: str, status: int) -> int:
+        deadline = time.monotonic() + 10
+        while (answered := status_with(key)) != status and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return answered
+
     created = apikeys("create", "carol")
     assert created.returncode == 0 and created.stderr.strip() == "gateway reloaded", created.stderr
     key = created.stdout.strip()
-    deadline = time.monotonic() + 10
-    while status_with(key) != 200 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert status_with(key) == 200
+    assert status_becomes(key, 200) == 200
     revoked = apikeys("revoke", "carol")
     assert revoked.returncode == 0 and "gateway reloaded" in revoked.stderr, revoked.stderr
-    deadline = time.monotonic() + 10
-    while status_with(key) != 401 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert status_with(key) == 401
+    assert status_becomes(key, 401) == 401
     assert status_with(stack.keys["alice"]) == 200
 
 

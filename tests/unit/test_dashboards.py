@@ -206,7 +206,7 @@ def test_gateway_routes_protect_prometheus_and_resolve_late():
 def test_gpu_panels_compute_from_dcgm_exporter_series(tmp_path):
     """No GPU here, so the GPU panels' queries run in promtool over series shaped like the DCGM
     exporter's (two GPUs, its labels, MiB), and must give bytes per GPU and the utilisation."""
-    from test_prometheus_rules import prometheus_image
+    from test_prometheus_rules import promtool
 
     sys.path.insert(0, str(GRAFANA_DIR))
     import panel_queries
@@ -233,7 +233,5 @@ def test_gpu_panels_compute_from_dcgm_exporter_series(tmp_path):
         {"rule_files": [], "tests": [{"interval": "1m", "input_series": series, "promql_expr_test": tests}]}))
     tmp_path.chmod(0o755)  # promtool runs as the image's non-root user
     (tmp_path / "gpu_panels.test.yml").chmod(0o644)
-    result = subprocess.run(["docker", "run", "--rm", "--network", "none", "-v", f"{tmp_path}:/tests:ro",
-                             "-w", "/tests", "--entrypoint", "promtool", prometheus_image(),
-                             "test", "rules", "gpu_panels.test.yml"], capture_output=True, text=True, timeout=120)
+    result = promtool("test", "rules", "gpu_panels.test.yml", folder=tmp_path, workdir="")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -22,9 +22,10 @@ def prometheus_image() -> str:
     return airgap["services"]["prometheus"]["image"]
 
 
-def promtool(*args: str) -> subprocess.CompletedProcess:
+def promtool(*args: str, folder: Path = PROMETHEUS_DIR, workdir: str = "tests") -> subprocess.CompletedProcess:
+    """promtool in the air-gapped Prometheus image, with `folder` mounted at /etc/prometheus."""
     command = ["docker", "run", "--rm", "--network", "none",
-               "-v", f"{PROMETHEUS_DIR}:/etc/prometheus:ro", "-w", "/etc/prometheus/tests",
+               "-v", f"{folder}:/etc/prometheus:ro", "-w", f"/etc/prometheus/{workdir}",
                "--entrypoint", "promtool", prometheus_image(), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
