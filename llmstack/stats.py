@@ -1,0 +1,95 @@
+"""The one statistics module: every table, chart and report takes its percentiles from here.
+
+Percentile definition: linear interpolation between the closest ranks of the sorted values
+(Hyndman & Fan type 7, numpy's default "linear" method, `statistics.quantiles(method="inclusive")`),
+with q from 0 to 100. p0 is the minimum, p100 the maximum, and p50 of an even count is the mean of
+the middle two.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (q in 0..100) of raw values, linearly interpolated; None when empty."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be within 0..100, got {q}")
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How a set of values (one per request, or one per repeat) is spread."""
+
+    n: int
+    mean: float | None
+    stdev: float | None
+    min: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    max: float | None
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return asdict(self)
+
+    def scaled(self, factor: float) -> Spread:
+        """The same spread in another unit (e.g. seconds to milliseconds)."""
+
+        def scale(value: float | None) -> float | None:
+            return None if value is None else value * factor
+
+        return Spread(
+            self.n,
+            scale(self.mean),
+            scale(self.stdev),
+            scale(self.min),
+            scale(self.p50),
+            scale(self.p90),
+            scale(self.p99),
+            scale(self.max),
+        )
+
+    @property
+    def range(self) -> float | None:
+        """max - min: the spread this project compares differences with."""
+        return None if self.min is None or self.max is None else self.max - self.min
+
+
+def spread(values: Iterable[float]) -> Spread:
+    data = list(values)
+    if not data:
+        return Spread(0, None, None, None, None, None, None, None)
+    return Spread(
+        n=len(data),
+        mean=statistics.fmean(data),
+        stdev=statistics.stdev(data) if len(data) > 1 else 0.0,
+        min=min(data),
+        p50=percentile(data, 50),
+        p90=percentile(data, 90),
+        p99=percentile(data, 99),
+        max=max(data),
+    )
+
+
+def difference(first: Sequence[float], second: Sequence[float]) -> tuple[float | None, bool]:
+    """(median(second) - median(first), whether it exceeds the spread).
+
+    Each sequence holds one figure per repeat. The difference counts only when it is larger than
+    the range (max - min) of either side's repeats; a smaller one is reported as "none".
+    """
+    a, b = spread(first), spread(second)
+    if a.p50 is None or b.p50 is None:
+        return None, False
+    delta = b.p50 - a.p50
+    noise = max(a.range or 0.0, b.range or 0.0)
+    return delta, abs(delta) > noise
