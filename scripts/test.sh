@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Run every test on a fresh machine: installs what is missing (Compose v2, mmdebstrap, the test
-# dependencies in .venv), builds the images of the CPU/air-gapped path, then runs pytest against
-# the real stack. Arguments go to pytest (e.g. scripts/test.sh tests/unit -x).
+# Run every test on a fresh machine: installs what is missing (Compose v2, mmdebstrap, .venv with the
+# llmstack package), checks lint, format and types, builds the images of the CPU/air-gapped path,
+# prints what differs between the shipped and the tested versions, then runs pytest against the real
+# stack. Arguments go to pytest (e.g. scripts/test.sh tests/unit -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-    sed -n '2,4p' "$0" | sed 's/^# //'
+    echo "usage: scripts/test.sh [PYTEST ARGS...]"
+    echo
+    sed -n '2,5p' "$0" | sed 's/^# //'
     exit 0
 fi
 
@@ -18,15 +21,19 @@ phase() {
 }
 run_started=$phase_started
 
-phase "tools: Docker Compose v2, mmdebstrap"
-scripts/install-tools.sh --build
+phase "tools: Docker Compose v2, mmdebstrap, .venv"
+scripts/install-tools.sh --build --python test,dev,charts
 
-phase "test dependencies (.venv)"
-[[ -x .venv/bin/python ]] || python3 -m venv .venv
-.venv/bin/pip install --quiet --disable-pip-version-check -r tests/requirements.txt
+phase "lint, format, types (ruff, mypy)"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
 
 phase "images (scripts/build_images.py --variant cpu)"
-python3 scripts/build_images.py --variant cpu
+.venv/bin/python scripts/build_images.py --variant cpu
+
+phase "versions: shipped (official images) vs tested (built here)"
+.venv/bin/python -m llmstack.versions --compare
 
 phase "tests (pytest)"
 export TESTCONTAINERS_RYUK_DISABLED=true

@@ -2,16 +2,19 @@
 """Prometheus metrics for the nginx gateway, from its JSON access log and its stub_status page.
 
 nginx sends every access-log line (the gateway_json format of nginx/nginx.conf) to this process
-over syslog (UDP); this turns them into counters and histograms: requests by route, status and
+over syslog (UDP); this turns them into counters and histograms: requests by route (the name of the
+allowlisted nginx location that answered, or "other": nginx sets it, so no list is kept here), status and
 key owner, total request time, vLLM's (upstream) time to headers and to the last byte, and the
 time the gateway itself adds. At each scrape it also reads nginx's stub_status page for the
 connection gauges (named as the official nginx-prometheus-exporter names them).
 Standard library only, so it runs unchanged in the official python image and in Debian's python3.
+`--healthcheck` is the container's health check: it asks this exporter's own /healthz.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import socket
@@ -20,25 +23,20 @@ import threading
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
-# Routes get their own label value; anything else (scanners, typos) is folded into "other" so a
-# client cannot create series at will.
-EXACT_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/healthz")
-PREFIX_ROUTES = ("/grafana/", "/prometheus/")
-REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                   120.0, 300.0, 900.0)
-ADDED_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                         0.25, 1.0)
+METRICS_PORT = 9113
+"""The one place of this port: prometheus.yml is generated from it (llmstack/observability/rules.py)."""
+SYSLOG_PORT = 5140
+# nginx logs a fixed route name per location; a longer value is not from nginx.conf.
+MAX_ROUTE_LENGTH = 64
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+ADDED_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def normalise_route(uri: str) -> str:
-    if uri in EXACT_ROUTES:
-        return uri
-    for prefix in PREFIX_ROUTES:
-        if uri == prefix.rstrip("/") or uri.startswith(prefix):
-            return prefix
-    return "other"
+def route_label(route: str) -> str:
+    return route if 0 < len(route) <= MAX_ROUTE_LENGTH else "other"
 
 
 def upstream_seconds(value: str) -> float | None:
@@ -84,8 +82,10 @@ class Histogram:
         self.count += 1
 
     def samples(self, name: str, labels: dict[str, str]) -> list[str]:
-        lines = [f"{name}_bucket{format_labels({**labels, 'le': format_value(bound)})} {count}"
-                 for bound, count in zip(self.buckets, self.counts)]
+        lines = [
+            f"{name}_bucket{format_labels({**labels, 'le': format_value(bound)})} {count}"
+            for bound, count in zip(self.buckets, self.counts, strict=True)
+        ]
         lines.append(f"{name}_bucket{format_labels({**labels, 'le': '+Inf'})} {self.count}")
         lines.append(f"{name}_sum{format_labels(labels)} {format_value(self.total)}")
         lines.append(f"{name}_count{format_labels(labels)} {self.count}")
@@ -95,16 +95,23 @@ class Histogram:
 class GatewayMetrics:
     """The gateway's counters and histograms; fed one access-log entry at a time."""
 
-    HISTOGRAMS = {
-        "gateway_request_duration_seconds":
-            ("Time from the first byte of the request to the last byte of the response.", REQUEST_BUCKETS),
-        "gateway_upstream_header_duration_seconds":
-            ("Time until vLLM's response headers arrived (upstream_header_time).", REQUEST_BUCKETS),
-        "gateway_upstream_response_duration_seconds":
-            ("Time until vLLM's last byte arrived (upstream_response_time).", REQUEST_BUCKETS),
-        "gateway_added_latency_seconds":
-            ("Request time minus upstream response time: what the gateway adds to a proxied request.",
-             ADDED_LATENCY_BUCKETS),
+    HISTOGRAMS: ClassVar[dict[str, tuple[str, tuple[float, ...]]]] = {
+        "gateway_request_duration_seconds": (
+            "Time from the first byte of the request to the last byte of the response.",
+            REQUEST_BUCKETS,
+        ),
+        "gateway_upstream_header_duration_seconds": (
+            "Time until vLLM's response headers arrived (upstream_header_time).",
+            REQUEST_BUCKETS,
+        ),
+        "gateway_upstream_response_duration_seconds": (
+            "Time until vLLM's last byte arrived (upstream_response_time).",
+            REQUEST_BUCKETS,
+        ),
+        "gateway_added_latency_seconds": (
+            "Request time minus upstream response time: what the gateway adds to a proxied request.",
+            ADDED_LATENCY_BUCKETS,
+        ),
     }
 
     def __init__(self) -> None:
@@ -133,7 +140,7 @@ class GatewayMetrics:
         return True
 
     def observe(self, entry: dict) -> None:
-        route = normalise_route(str(entry["route"]))
+        route = route_label(str(entry["route"]))
         status = str(int(entry["status"]))
         method = str(entry.get("method") or "-")[:10]
         owner = str(entry.get("key_owner") or "") or "none"
@@ -163,24 +170,30 @@ class GatewayMetrics:
 
     def exposition(self) -> list[str]:
         with self.lock:
-            lines = ["# HELP gateway_requests_total Requests answered by the gateway, from its access log.",
-                     "# TYPE gateway_requests_total counter"]
+            lines = [
+                "# HELP gateway_requests_total Requests answered by the gateway, from its access log.",
+                "# TYPE gateway_requests_total counter",
+            ]
             shown = {**self.requests, **{key: 0 for key in self.pending_requests}}
             for (route, method, status, owner), count in sorted(shown.items()):
                 labels = {"route": route, "method": method, "status": status, "key_owner": owner}
                 lines.append(f"gateway_requests_total{format_labels(labels)} {count}")
             self.requests.update(self.pending_requests)
             self.pending_requests.clear()
-            lines += ["# HELP gateway_response_bytes_total Bytes sent to clients.",
-                      "# TYPE gateway_response_bytes_total counter"]
+            lines += [
+                "# HELP gateway_response_bytes_total Bytes sent to clients.",
+                "# TYPE gateway_response_bytes_total counter",
+            ]
             for route, total in sorted(self.response_bytes.items()):
                 lines.append(f"gateway_response_bytes_total{format_labels({'route': route})} {format_value(total)}")
             for name, (help_text, _) in self.HISTOGRAMS.items():
                 lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
                 for route, histogram in sorted(self.histograms[name].items()):
                     lines += histogram.samples(name, {"route": route})
-            lines += ["# HELP gateway_log_lines_total Access-log lines received, by whether they parsed.",
-                      "# TYPE gateway_log_lines_total counter"]
+            lines += [
+                "# HELP gateway_log_lines_total Access-log lines received, by whether they parsed.",
+                "# TYPE gateway_log_lines_total counter",
+            ]
             for result, count in sorted(self.log_lines.items()):
                 lines.append(f"gateway_log_lines_total{format_labels({'result': result})} {count}")
         return lines
@@ -193,9 +206,15 @@ def parse_stub_status(text: str) -> dict[str, float]:
         raise ValueError("not an nginx stub_status page")
     accepted, handled, requests = (float(v) for v in lines[2].split())
     fields = lines[3].split()
-    return {"active": float(lines[0].split(":")[1]), "accepted": accepted, "handled": handled,
-            "requests": requests, "reading": float(fields[1]), "writing": float(fields[3]),
-            "waiting": float(fields[5])}
+    return {
+        "active": float(lines[0].split(":")[1]),
+        "accepted": accepted,
+        "handled": handled,
+        "requests": requests,
+        "reading": float(fields[1]),
+        "writing": float(fields[3]),
+        "waiting": float(fields[5]),
+    }
 
 
 def stub_status_exposition(url: str) -> list[str]:
@@ -204,15 +223,20 @@ def stub_status_exposition(url: str) -> list[str]:
             figures = parse_stub_status(response.read().decode())
     except (OSError, ValueError, urllib.error.URLError):
         figures = None
-    lines = ["# HELP nginx_up Whether the last read of nginx's stub_status page worked.",
-             "# TYPE nginx_up gauge", f"nginx_up {0 if figures is None else 1}"]
+    lines = [
+        "# HELP nginx_up Whether the last read of nginx's stub_status page worked.",
+        "# TYPE nginx_up gauge",
+        f"nginx_up {0 if figures is None else 1}",
+    ]
     if figures is None:
         return lines
     for state in ("active", "reading", "writing", "waiting"):
         lines += [f"# TYPE nginx_connections_{state} gauge", f"nginx_connections_{state} {figures[state]}"]
     for counter in ("accepted", "handled"):
-        lines += [f"# TYPE nginx_connections_{counter}_total counter",
-                  f"nginx_connections_{counter}_total {figures[counter]}"]
+        lines += [
+            f"# TYPE nginx_connections_{counter}_total counter",
+            f"nginx_connections_{counter}_total {figures[counter]}",
+        ]
     lines += ["# TYPE nginx_http_requests_total counter", f"nginx_http_requests_total {figures['requests']}"]
     return lines
 
@@ -251,11 +275,25 @@ def receive_syslog(sock: socket.socket, metrics: GatewayMetrics) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--listen-port", type=int, default=9113, help="HTTP port for /metrics (default 9113)")
-    parser.add_argument("--syslog-port", type=int, default=5140,
-                        help="UDP port nginx sends its access log to (default 5140)")
-    parser.add_argument("--stub-status-url", default="http://nginx:8081/stub_status",
-                        help="nginx's stub_status page (default http://nginx:8081/stub_status)")
+    parser.add_argument(
+        "--listen-port", type=int, default=METRICS_PORT, help=f"HTTP port for /metrics (default {METRICS_PORT})"
+    )
+    parser.add_argument(
+        "--syslog-port",
+        type=int,
+        default=SYSLOG_PORT,
+        help=f"UDP port nginx sends its access log to (default {SYSLOG_PORT})",
+    )
+    parser.add_argument(
+        "--stub-status-url",
+        default="http://nginx:8081/stub_status",
+        help="nginx's stub_status page (default http://nginx:8081/stub_status)",
+    )
+    parser.add_argument(
+        "--healthcheck",
+        action="store_true",
+        help="check the exporter listening on --listen-port and exit 0 (healthy) or 1",
+    )
     args = parser.parse_args(argv)
     for name in ("listen_port", "syslog_port"):
         if not 0 < getattr(args, name) < 65536:
@@ -263,8 +301,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def healthcheck(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
+            return 0 if response.status == 200 else 1
+    except OSError as err:
+        print(f"gateway_exporter: unhealthy: {err}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.healthcheck:
+        return healthcheck(args.listen_port)
     metrics = GatewayMetrics()
     try:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -274,12 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gateway_exporter: cannot listen: {err.strerror}", file=sys.stderr)
         return 1
     threading.Thread(target=receive_syslog, args=(sock, metrics), daemon=True).start()
-    print(f"gateway_exporter: syslog on udp/{args.syslog_port}, metrics on http://0.0.0.0:{args.listen_port}/metrics, "
-          f"stub_status from {args.stub_status_url}", file=sys.stderr, flush=True)
-    try:
+    print(
+        f"gateway_exporter: syslog on udp/{args.syslog_port}, metrics on http://0.0.0.0:{args.listen_port}/metrics, "
+        f"stub_status from {args.stub_status_url}",
+        file=sys.stderr,
+        flush=True,
+    )
+    with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

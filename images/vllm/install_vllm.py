@@ -61,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], required=True)
     parser.add_argument("--vllm-version", required=True)
-    parser.add_argument("--torch-version", default="",
-                        help="torch to pair with the CPU build (the CUDA build brings its own)")
+    parser.add_argument(
+        "--torch-version", default="", help="torch to pair with the CPU build (the CUDA build brings its own)"
+    )
     args = parser.parse_args(argv)
     try:
         if args.device == "cuda":

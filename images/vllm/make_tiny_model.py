@@ -25,8 +25,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def model_config(vocab_size: int, hidden_size: int, layers: int, heads: int, kv_heads: int,
-                 head_dim: int, max_positions: int) -> dict:
+def model_config(
+    vocab_size: int, hidden_size: int, layers: int, heads: int, kv_heads: int, head_dim: int, max_positions: int
+) -> dict:
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
@@ -120,8 +121,12 @@ def make_model(out: Path, corpus_dir: Path, vocab_size: int, **arch) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="folder to write the model into")
-    parser.add_argument("--corpus", type=Path, default=Path(sys.prefix) / "lib",
-                        help="folder whose .py files train the tokenizer (default: %(default)s)")
+    parser.add_argument(
+        "--corpus",
+        type=Path,
+        default=Path(sys.prefix) / "lib",
+        help="folder whose .py files train the tokenizer (default: %(default)s)",
+    )
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
@@ -141,9 +146,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        config = make_model(args.out, args.corpus, args.vocab_size, hidden_size=args.hidden_size,
-                            layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                            head_dim=args.head_dim, max_positions=args.max_positions)
+        config = make_model(
+            args.out,
+            args.corpus,
+            args.vocab_size,
+            hidden_size=args.hidden_size,
+            layers=args.layers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            max_positions=args.max_positions,
+        )
     except (OSError, ValueError) as err:
         print(f"make_tiny_model: {err}", file=sys.stderr)
         return 1
