@@ -2,7 +2,7 @@
 from their label_values() queries, $__rate_interval and $__range replaced, range or instant.
 
 Used by tests/integration/test_observability.py (every query of every dashboard must return data)
-and by grafana/render_panels.py (the README's renderings).
+and by render_panels.py (the README's renderings).
 """
 
 from __future__ import annotations
@@ -16,13 +16,17 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
-DASHBOARD_DIR = Path(__file__).resolve().parent / "dashboards"
+from llmstack import REPO_ROOT
+
+DASHBOARD_DIR = REPO_ROOT / "grafana" / "dashboards"
 # Metrics only some setups have; a query made only of them may return nothing elsewhere. (The load
 # generator's loadtest_ metrics are not optional: the integration test runs a load test first.)
 OPTIONAL_SOURCES = {"DCGM_": "GPU setup (NVIDIA DCGM exporter)"}
 REGEX_SPECIALS = re.compile(r"([\\^$*+?.()|{}\[\]])")
+# dashboards.quantile_expr: a quantile line hidden at or below its histogram's first bucket.
+BELOW_FIRST_BUCKET = re.compile(r"^(histogram_quantile\(.*\)) > ([0-9.e+-]+)$")
 
 
 class PrometheusError(Exception):
@@ -38,7 +42,7 @@ class Prometheus:
             token = base64.b64encode(f"{user}:{password or ''}".encode()).decode()
             self.headers["Authorization"] = f"Basic {token}"
 
-    def get(self, path: str, params: dict | list) -> object:
+    def get(self, path: str, params: dict | list) -> Any:
         url = f"{self.base_url}{path}?{urllib.parse.urlencode(params)}"
         request = urllib.request.Request(url, headers=self.headers)
         try:
@@ -74,6 +78,14 @@ class PanelQuery:
     optional: str | None
     result: list[dict] = field(default_factory=list)
     error: str | None = None
+    below_first_bucket: bool = False
+    """No data because every value was at or below the histogram's first bucket (checked by
+    running the quantile unfiltered): hidden on purpose, not missing."""
+
+    @property
+    def first_bucket(self) -> float | None:
+        match = BELOW_FIRST_BUCKET.match(self.expr)
+        return float(match.group(2)) if match else None
 
     @property
     def has_data(self) -> bool:
@@ -131,21 +143,30 @@ def panel_queries(dashboards: dict[str, dict] | None = None) -> list[PanelQuery]
     for name, dashboard in (dashboards or load_dashboards()).items():
         for panel in dashboard["panels"]:
             for target in panel.get("targets", []):
-                queries.append(PanelQuery(name, panel["title"], panel["type"], target["refId"],
-                                          target.get("legendFormat", ""), target["expr"],
-                                          bool(target.get("instant")), optional_reason(target["expr"])))
+                queries.append(
+                    PanelQuery(
+                        name,
+                        panel["title"],
+                        panel["type"],
+                        target["refId"],
+                        target.get("legendFormat", ""),
+                        target["expr"],
+                        bool(target.get("instant")),
+                        optional_reason(target["expr"]),
+                    )
+                )
     return queries
 
 
-def run_all(prometheus: Prometheus, minutes: float = 15, step: float = 5,
-            scrape_interval: float = 5) -> list[PanelQuery]:
+def run_all(
+    prometheus: Prometheus, minutes: float = 15, step: float = 5, scrape_interval: float = 5
+) -> list[PanelQuery]:
     """Every panel query of every dashboard over the last `minutes`, as Grafana would send it."""
     end = time.time()
     start = end - minutes * 60
     # Grafana: $__rate_interval = max($__interval + scrape interval, 4 x scrape interval).
     rate_interval = f"{int(max(step + scrape_interval, 4 * scrape_interval))}s"
-    builtins = {"__rate_interval": rate_interval, "__interval": f"{int(step)}s",
-                "__range": f"{int(minutes * 60)}s"}
+    builtins = {"__rate_interval": rate_interval, "__interval": f"{int(step)}s", "__range": f"{int(minutes * 60)}s"}
     dashboards = load_dashboards()
     results = []
     for name, dashboard in dashboards.items():
@@ -162,6 +183,22 @@ def run_all(prometheus: Prometheus, minutes: float = 15, step: float = 5,
                 query.legend = substitute(query.legend, values)
                 try:
                     query.result = prometheus.query(query.expr, query.instant, start, end, step)
+                    floor = query.first_bucket
+                    if floor is not None and not query.has_data:
+                        unfiltered = PanelQuery(
+                            **{
+                                **query.__dict__,
+                                "result": prometheus.query(
+                                    BELOW_FIRST_BUCKET.sub(r"\1", query.expr), query.instant, start, end, step
+                                ),
+                            }
+                        )
+                        query.below_first_bucket = unfiltered.has_data and all(
+                            float(value) <= floor
+                            for series in unfiltered.result
+                            for _, value in series.get("values", [])
+                            if math.isfinite(float(value))
+                        )
                 except PrometheusError as err:
                     query.error = str(err)
             results.append(query)

@@ -13,14 +13,21 @@ from pathlib import Path
 import pytest
 import yaml
 
+from llmstack.observability import config, dashboards, promql_checks
+from llmstack.observability.panel_queries import BELOW_FIRST_BUCKET, panel_queries
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GRAFANA_DIR = REPO_ROOT / "grafana"
 DASHBOARD_FILES = sorted((GRAFANA_DIR / "dashboards").glob("*.json"))
 DATASOURCE_FILE = GRAFANA_DIR / "provisioning" / "datasources" / "prometheus.yaml"
 PROVIDER_FILE = GRAFANA_DIR / "provisioning" / "dashboards" / "llm-stack.yaml"
 # V0 names that vLLM's V1 engine no longer exports.
-REMOVED_VLLM_METRICS = ("vllm:gpu_cache_usage_perc", "vllm:cpu_cache_usage_perc", "vllm:gpu_prefix_cache",
-                        "vllm:num_requests_swapped")
+REMOVED_VLLM_METRICS = (
+    "vllm:gpu_cache_usage_perc",
+    "vllm:cpu_cache_usage_perc",
+    "vllm:gpu_prefix_cache",
+    "vllm:num_requests_swapped",
+)
 
 
 def load(path: Path) -> dict:
@@ -28,7 +35,12 @@ def load(path: Path) -> dict:
 
 
 def compose(name: str) -> dict:
-    return yaml.safe_load((REPO_ROOT / name).read_text())
+    """A compose file's services, those of the files it includes too (compose/*.yaml)."""
+    document = yaml.safe_load((REPO_ROOT / name).read_text())
+    services = dict(document.get("services") or {})
+    for included in document.get("include", []):
+        services.update(compose(included["path"])["services"])
+    return {"services": services}
 
 
 def datasource_uid() -> str:
@@ -40,16 +52,21 @@ def panels(dashboard: dict) -> list[dict]:
 
 
 def test_committed_json_is_what_the_generator_makes():
-    result = subprocess.run([sys.executable, str(GRAFANA_DIR / "dashboards" / "generate.py"), "--check"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(GRAFANA_DIR / "dashboards" / "generate.py"), "--check"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
 
 
-def test_generator_help_and_bad_usage():
+def test_generator_help_and_bad_usage(tmp_path):
     script = str(GRAFANA_DIR / "dashboards" / "generate.py")
     assert subprocess.run([sys.executable, script, "--help"], capture_output=True).returncode == 0
-    bad = subprocess.run([sys.executable, script, "--out-dir", "/nonexistent"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    bad = subprocess.run([sys.executable, script, "--root", "/nonexistent"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("generate.py: error: --root") and "Traceback" not in bad.stderr
+    (tmp_path / "prometheus").mkdir()
+    (tmp_path / "grafana").mkdir()
+    stale = subprocess.run([sys.executable, script, "--root", str(tmp_path), "--check"], capture_output=True, text=True)
+    assert stale.returncode == 1 and "stale generated files: prometheus/rules/alerts.yml" in stale.stderr
 
 
 def test_three_dashboards_with_fixed_unique_uids():
@@ -118,45 +135,96 @@ def test_kv_cache_usage_is_never_summed():
             assert not re.search(r"sum[^(]*\(\s*vllm:kv_cache_usage_perc", query["expr"]), query["expr"]
 
 
-def test_recording_rules_used_by_dashboards_exist():
-    recorded = set()
-    for path in (REPO_ROOT / "prometheus" / "rules").glob("*.yml"):
-        for group in yaml.safe_load(path.read_text())["groups"]:
-            recorded |= {rule["record"] for rule in group["rules"] if "record" in rule}
-    for path in DASHBOARD_FILES:
-        for item in panels(load(path)):
-            for query in item["targets"]:
-                for name in re.findall(r"\b[a-z_]+:[a-z0-9_]+:[a-z0-9_]+\b|\bllm_stack:\w+", query["expr"]):
-                    assert name in recorded, f"{path.name} / {item['title']}: no recording rule {name}"
-
-
-def test_latency_dashboard_shows_quantiles_and_true_mean():
+def test_latency_dashboard_shows_the_exact_mean_first_and_marked_quantiles():
     dashboard = load(GRAFANA_DIR / "dashboards" / "llm-latency.json")
     by_title = {p["title"]: p for p in panels(dashboard)}
-    for title in ("Time to first token (TTFT)", "Inter-token latency (ITL)", "Time per output token (TPOT)",
-                  "End-to-end request latency"):
-        legends = {t["legendFormat"] for t in by_title[title]["targets"]}
-        assert {"p50", "p90", "p95", "p99", "mean"} <= legends, title
-        mean = next(t["expr"] for t in by_title[title]["targets"] if t["legendFormat"] == "mean")
-        assert "_sum" in mean and "_count" in mean and "/" in mean
+    for histogram in config.QUANTILE_HISTOGRAMS:
+        targets = by_title[histogram.title]["targets"]
+        assert targets[0]["legendFormat"] == "mean", histogram.title
+        assert "_sum" in targets[0]["expr"] and "_count" in targets[0]["expr"] and "/" in targets[0]["expr"]
+        quantiles = [t["legendFormat"].split()[0] for t in targets if t["legendFormat"].startswith("p")]
+        assert quantiles == ["p50", "p90", "p95", "p99"], histogram.title
     assert sum(p["type"] == "heatmap" for p in panels(dashboard)) == 2
 
 
-def test_slo_defaults_match_the_prometheus_rules():
-    slo_text = (REPO_ROOT / "prometheus" / "rules" / "slo.yml").read_text()
+def histogram_of(expr: str) -> str:
+    """The histogram a histogram_quantile() reads, through a recording rule where it uses one."""
+    recorded = {}
+    for path in (REPO_ROOT / "prometheus" / "rules").glob("*.yml"):
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            recorded |= {rule["record"]: rule["expr"] for rule in group["rules"] if "record" in rule}
+    names = promql_checks.metric_names(expr)
+    sources = set()
+    for name in names:
+        sources |= promql_checks.metric_names(recorded[name]) if name in recorded else {name}
+    (bucket,) = {name for name in sources if name.endswith("_bucket")}
+    return bucket.removesuffix("_bucket")
+
+
+def quantile_panels() -> list[tuple[dict, dict]]:
+    found = []
+    for path in DASHBOARD_FILES:
+        for item in panels(load(path)):
+            found += [(item, t) for t in item["targets"] if "histogram_quantile" in t["expr"]]
+    return found
+
+
+def test_every_quantile_line_is_hidden_below_its_first_bucket_and_says_so():
+    """Checked against the buckets of each source (vLLM's, in config.py with its source file; the
+    load generator's and the gateway exporter's, read from their code)."""
+    buckets = config.histogram_buckets()
+    assert len(quantile_panels()) >= 20
+    for item, query in quantile_panels():
+        first = buckets[histogram_of(promql_checks.fill_variables(query["expr"]))][0]
+        match = BELOW_FIRST_BUCKET.match(query["expr"])
+        assert match and float(match.group(2)) == first, f"{item['title']}: {query['expr']}"
+        assert dashboards.duration_text(first) in query["legendFormat"], f"{item['title']}: {query['legendFormat']}"
+
+
+def test_panels_of_histograms_too_coarse_for_a_gpu_lead_with_the_mean_and_point_to_the_client():
+    coarse = [h for h in config.QUANTILE_HISTOGRAMS if not h.resolves_gpu_speed]
+    assert {h.name for h in coarse} == {
+        "inter_token_latency_seconds",
+        "request_time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+    }
+    by_title = {p["title"]: p for p in panels(load(GRAFANA_DIR / "dashboards" / "llm-latency.json"))}
+    for histogram in coarse:
+        item = by_title[histogram.title]
+        assert item["targets"][0]["legendFormat"] == "mean"
+        assert "loadtest_" in item["description"] and dashboards.CLIENT_PANEL in item["description"]
+    client = by_title[dashboards.CLIENT_PANEL]
+    assert all(t["expr"].count("loadtest_") >= 1 for t in client["targets"])
+    assert config.loadtest_buckets()[0] < min(h.gpu_seconds for h in coarse), "the client's buckets resolve GPU speed"
+
+
+def test_the_resolution_check_fails_on_an_unmarked_quantile():
+    unmarked = "histogram_quantile(0.5, sum by (le) (rate(vllm:inter_token_latency_seconds_bucket[5m])))"
+    assert BELOW_FIRST_BUCKET.match(unmarked) is None
+    assert histogram_of(unmarked) == "vllm:inter_token_latency_seconds"
+
+
+def test_alert_thresholds_in_dashboard_text_come_from_the_config():
+    kv = {p["title"]: p for p in panels(load(GRAFANA_DIR / "dashboards" / "llm-kv-cache.json"))}
+    gauge = kv["KV cache usage now (fullest replica)"]
+    steps = gauge["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert steps[-1]["value"] == config.KV_CACHE_FULL_RATIO
+    assert dashboards.percent_text(config.KV_CACHE_FULL_RATIO) in gauge["description"]
+    assert config.KV_CACHE_FULL_FOR in gauge["description"]
+
+
+def test_slo_defaults_match_the_config():
     variables = {v["name"]: v for v in load(GRAFANA_DIR / "dashboards" / "llm-latency.json")["templating"]["list"]}
-    assert f"llm_stack:slo_ttft_p95_seconds\n        expr: vector({variables['ttft_slo']['query']})" in slo_text
-    assert f"llm_stack:slo_tpot_seconds\n        expr: vector({variables['tpot_slo']['query']})" in slo_text
+    assert float(variables["ttft_slo"]["query"]) == config.SLO_TTFT_P95_SECONDS
+    assert float(variables["tpot_slo"]["query"]) == config.SLO_TPOT_SECONDS
 
 
 def test_datasource_provisioning():
-    config = yaml.safe_load(DATASOURCE_FILE.read_text())
-    (source,) = config["datasources"]
-    assert source["type"] == "prometheus" and source["uid"] == "llm-stack-prometheus"
+    (source,) = yaml.safe_load(DATASOURCE_FILE.read_text())["datasources"]
+    assert source["type"] == "prometheus" and source["uid"] == config.DATASOURCE_UID
     assert source["url"] == "http://prometheus:9090/prometheus"
     assert source["editable"] is False
-    scrape_interval = yaml.safe_load((REPO_ROOT / "prometheus" / "prometheus.yml").read_text())["global"]["scrape_interval"]
-    assert source["jsonData"]["timeInterval"] == scrape_interval
+    assert source["jsonData"]["timeInterval"] == f"{config.SCRAPE_INTERVAL_SECONDS}s"
 
 
 def test_dashboard_provider_is_read_only_and_points_at_the_mounted_json():
@@ -208,29 +276,50 @@ def test_gpu_panels_compute_from_dcgm_exporter_series(tmp_path):
     exporter's (two GPUs, its labels, MiB), and must give bytes per GPU and the utilisation."""
     from test_prometheus_rules import promtool
 
-    sys.path.insert(0, str(GRAFANA_DIR))
-    import panel_queries
-
-    queries = {q.legend.split(",")[0]: q.expr for q in panel_queries.panel_queries() if "DCGM_" in q.expr}
+    queries = {q.legend.split(",")[0]: q.expr for q in panel_queries() if "DCGM_" in q.expr}
     assert set(queries) == {"used", "total", "vLLM's limit (x $gpu_memory_utilization)", "GPU {{gpu}}"}, queries
     used, free, util = {"0": 120_000, "1": 1_000}, {"0": 23_771, "1": 142_771}, {"0": 87, "1": 3}
-    labels = 'gpu="{gpu}",UUID="GPU-{gpu}",device="nvidia{gpu}",modelName="NVIDIA H200",job="dcgm",instance="dcgm-exporter:9400"'
-    series = [{"series": f"{name}{{{labels.format(gpu=gpu)}}}", "values": f"{values[gpu]}x10"}
-              for name, values in (("DCGM_FI_DEV_FB_USED", used), ("DCGM_FI_DEV_FB_FREE", free),
-                                   ("DCGM_FI_DEV_GPU_UTIL", util)) for gpu in ("0", "1")]
+    labels = (
+        'gpu="{gpu}",UUID="GPU-{gpu}",device="nvidia{gpu}",modelName="NVIDIA H200",job="dcgm",'
+        'instance="dcgm-exporter:9400"'
+    )
+    series = [
+        {"series": f"{name}{{{labels.format(gpu=gpu)}}}", "values": f"{values[gpu]}x10"}
+        for name, values in (
+            ("DCGM_FI_DEV_FB_USED", used),
+            ("DCGM_FI_DEV_FB_FREE", free),
+            ("DCGM_FI_DEV_GPU_UTIL", util),
+        )
+        for gpu in ("0", "1")
+    ]
     expected = {
         "used": {gpu: used[gpu] * 1048576 for gpu in used},
         "total": {gpu: (used[gpu] + free[gpu]) * 1048576 for gpu in used},
         "vLLM's limit (x $gpu_memory_utilization)": {gpu: (used[gpu] + free[gpu]) * 1048576 * 0.85 for gpu in used},
     }
-    tests = [{"expr": queries[name].replace("$gpu_memory_utilization", "0.85"), "eval_time": "5m",
-              "exp_samples": [{"labels": f'{{gpu="{gpu}"}}', "value": value} for gpu, value in values.items()]}
-             for name, values in expected.items()]
-    tests.append({"expr": queries["GPU {{gpu}}"], "eval_time": "5m",
-                  "exp_samples": [{"labels": f"DCGM_FI_DEV_GPU_UTIL{{{labels.format(gpu=gpu)}}}", "value": value}
-                                  for gpu, value in util.items()]})
-    (tmp_path / "gpu_panels.test.yml").write_text(yaml.safe_dump(
-        {"rule_files": [], "tests": [{"interval": "1m", "input_series": series, "promql_expr_test": tests}]}))
+    tests = [
+        {
+            "expr": queries[name].replace("$gpu_memory_utilization", "0.85"),
+            "eval_time": "5m",
+            "exp_samples": [{"labels": f'{{gpu="{gpu}"}}', "value": value} for gpu, value in values.items()],
+        }
+        for name, values in expected.items()
+    ]
+    tests.append(
+        {
+            "expr": queries["GPU {{gpu}}"],
+            "eval_time": "5m",
+            "exp_samples": [
+                {"labels": f"DCGM_FI_DEV_GPU_UTIL{{{labels.format(gpu=gpu)}}}", "value": value}
+                for gpu, value in util.items()
+            ],
+        }
+    )
+    (tmp_path / "gpu_panels.test.yml").write_text(
+        yaml.safe_dump(
+            {"rule_files": [], "tests": [{"interval": "1m", "input_series": series, "promql_expr_test": tests}]}
+        )
+    )
     tmp_path.chmod(0o755)  # promtool runs as the image's non-root user
     (tmp_path / "gpu_panels.test.yml").chmod(0o644)
     result = promtool("test", "rules", "gpu_panels.test.yml", folder=tmp_path, workdir="")

@@ -1,5 +1,6 @@
-"""Prometheus config and rules: promtool checks and the alert unit tests, run in the Prometheus
-image the air-gapped path builds (Debian's prometheus 2.42; no promtool needed on the host)."""
+"""Prometheus config and rules: generated from llmstack/observability/config.py and not stale,
+promtool checks and the alert unit tests (run in the locally built Prometheus image: no promtool
+needed on the host), every recording rule used, and every expression valid on Prometheus 3."""
 
 from __future__ import annotations
 
@@ -10,34 +11,84 @@ from pathlib import Path
 import pytest
 import yaml
 
+from llmstack.observability import config, promql_checks, rules
+from llmstack.observability.generate import generated_files
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = REPO_ROOT / "prometheus"
 RULES = sorted((PROMETHEUS_DIR / "rules").glob("*.yml"))
 ALERT_TESTS = sorted((PROMETHEUS_DIR / "tests").glob("*.test.yml"))
+DASHBOARD_FILES = sorted((REPO_ROOT / "grafana" / "dashboards").glob("*.json"))
 RECORD_NAME = re.compile(r"^[a-z_]+:[a-z0-9_]+(:[a-z0-9_]+)?$")
+RUNBOOK = REPO_ROOT / config.RUNBOOK_PAGE
 
 
 def prometheus_image() -> str:
-    airgap = yaml.safe_load((REPO_ROOT / "compose.airgap.yaml").read_text())
-    return airgap["services"]["prometheus"]["image"]
+    from llmstack.versions import local_images
+
+    return local_images()["prometheus"]
 
 
 def promtool(*args: str, folder: Path = PROMETHEUS_DIR, workdir: str = "tests") -> subprocess.CompletedProcess:
     """promtool in the air-gapped Prometheus image, with `folder` mounted at /etc/prometheus."""
-    command = ["docker", "run", "--rm", "--network", "none",
-               "-v", f"{folder}:/etc/prometheus:ro", "-w", f"/etc/prometheus/{workdir}",
-               "--entrypoint", "promtool", prometheus_image(), *args]
+    command = [
+        "docker",
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        "-v",
+        f"{folder}:/etc/prometheus:ro",
+        "-w",
+        f"/etc/prometheus/{workdir}",
+        "--entrypoint",
+        "promtool",
+        prometheus_image(),
+        *args,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
+def rule_entries() -> list[dict]:
+    return [rule for path in RULES for group in yaml.safe_load(path.read_text())["groups"] for rule in group["rules"]]
+
+
 def alert_rules() -> dict[str, dict]:
-    alerts = {}
-    for path in RULES:
-        for group in yaml.safe_load(path.read_text())["groups"]:
-            for rule in group["rules"]:
-                if "alert" in rule:
-                    alerts[rule["alert"]] = rule
-    return alerts
+    return {rule["alert"]: rule for rule in rule_entries() if "alert" in rule}
+
+
+def dashboard_expressions() -> list[str]:
+    import json
+
+    from llmstack.observability.panel_queries import panel_queries
+
+    dashboards = {path.stem: json.loads(path.read_text()) for path in DASHBOARD_FILES}
+    constants = {
+        path.stem: {v["name"]: v["query"] for v in board["templating"]["list"] if v["type"] == "constant"}
+        for path, board in zip(DASHBOARD_FILES, dashboards.values(), strict=True)
+    }
+    return [promql_checks.fill_variables(q.expr, constants[q.dashboard]) for q in panel_queries(dashboards)]
+
+
+def test_generated_files_are_not_stale():
+    stale = [
+        str(path.relative_to(REPO_ROOT))
+        for path, text in generated_files().items()
+        if not path.exists() or path.read_text() != text
+    ]
+    assert not stale, f"run python3 grafana/dashboards/generate.py: {stale}"
+
+
+def test_the_config_changes_the_rules():
+    # The generator reads the config, not a copy of its values.
+    before = {rule.get("alert"): rule["expr"] for group in rules.alert_groups() for rule in group["rules"]}
+    original = config.KV_CACHE_FULL_RATIO
+    try:
+        config.KV_CACHE_FULL_RATIO = 0.8
+        after = {rule.get("alert"): rule["expr"] for group in rules.alert_groups() for rule in group["rules"]}
+    finally:
+        config.KV_CACHE_FULL_RATIO = original
+    assert before["VLLMKVCacheNearlyFull"].endswith("> 0.9") and after["VLLMKVCacheNearlyFull"].endswith("> 0.8")
 
 
 def test_config_is_valid():
@@ -72,45 +123,115 @@ def test_every_alert_has_a_firing_and_a_quiet_case():
     assert not (firing | quiet) - alerts, f"tests for unknown alerts: {sorted((firing | quiet) - alerts)}"
 
 
+def markdown_anchors(text: str) -> set[str]:
+    """The anchors Markdown renderers give headings: lower case, spaces to dashes, punctuation dropped."""
+    return {
+        re.sub(r"[^a-z0-9 _-]", "", title.strip().lower()).replace(" ", "-")
+        for title in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)
+    }
+
+
 @pytest.mark.parametrize("name", sorted(alert_rules()))
-def test_alert_has_runbook_summary_and_severity(name):
+def test_alert_links_its_runbook_section(name):
     rule = alert_rules()[name]
     assert rule["labels"]["severity"] in {"warning", "critical"}
-    assert len(rule["annotations"]["runbook"]) > 80, "the runbook should say what to check first"
     assert rule["annotations"]["summary"]
     assert rule.get("for"), "alerts wait for a sustained condition"
+    page, _, anchor = rule["annotations"]["runbook_url"].partition("#")
+    assert page == config.RUNBOOK_PAGE and anchor in markdown_anchors(RUNBOOK.read_text()), rule["annotations"]
+    assert set(rule["annotations"]) == {"summary", "runbook_url"}, "the prose lives in the runbook page only"
+
+
+def test_runbook_prose_is_written_once():
+    """No sentence of the runbook page is repeated in the rules or in the promtool tests."""
+    sentences = [s.strip() for s in re.split(r"(?<=[.:])\s+", " ".join(RUNBOOK.read_text().split())) if len(s) > 60]
+    assert len(sentences) > 10
+    for path in (*RULES, *ALERT_TESTS):
+        text = " ".join(path.read_text().split())
+        repeated = [s for s in sentences if s in text]
+        assert not repeated, f"{path.name} repeats the runbook: {repeated[:2]}"
 
 
 def test_required_alerts_exist():
-    alerts = alert_rules()
-    expressions = {name: rule["expr"] for name, rule in alerts.items()}
+    expressions = {name: rule["expr"] for name, rule in alert_rules().items()}
     assert 'up{job="vllm"}' in expressions["VLLMDown"]
-    assert "vllm:kv_cache_usage_perc" in expressions["VLLMKVCacheNearlyFull"] and "0.9" in expressions["VLLMKVCacheNearlyFull"]
+    assert expressions["VLLMKVCacheNearlyFull"].endswith(f"vllm:kv_cache_usage_perc) > {config.KV_CACHE_FULL_RATIO}")
     assert "vllm:num_preemptions_total" in expressions["VLLMPreemptionsRising"]
     assert "vllm:num_requests_waiting" in expressions["VLLMWaitingQueueGrowing"]
-    assert 'status=~"5.."' in expressions["GatewayHigh5xxRatio"]
-    assert "llm_stack:slo_ttft_p95_seconds" in expressions["VLLMTTFTOverSLO"]
+    assert 'status=~"5[0-9][0-9]"' in expressions["GatewayHigh5xxRatio"]
+    assert expressions["GatewayHigh5xxRatio"].endswith(f"> {config.GATEWAY_5XX_RATIO}")
+    assert rules.SLO_TTFT_SERIES in expressions["VLLMTTFTOverSLO"]
 
 
 def test_recording_rules_follow_the_naming_convention():
-    for path in RULES:
-        for group in yaml.safe_load(path.read_text())["groups"]:
-            for rule in group["rules"]:
-                if "record" in rule:
-                    assert RECORD_NAME.match(rule["record"]), f"{path.name}: {rule['record']} is not level:metric[:operation]"
+    for rule in rule_entries():
+        if "record" in rule:
+            assert RECORD_NAME.match(rule["record"]), f"{rule['record']} is not level:metric[:operation]"
 
 
-def test_scrape_interval_is_one_setting():
-    config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
-    assert "scrape_interval" in config["global"]
-    for job in config["scrape_configs"]:
-        assert "scrape_interval" not in job, f"job {job['job_name']} overrides the global scrape_interval"
+def test_every_recording_rule_is_read_by_a_panel_or_a_rule():
+    """Parsed, not searched: a name counts only where an expression selects it."""
+    recorded = {rule["record"] for rule in rule_entries() if "record" in rule}
+    read: set[str] = set()
+    for expr in [rule["expr"] for rule in rule_entries()] + dashboard_expressions():
+        read |= promql_checks.metric_names(expr)
+    assert not recorded - read, f"recording rules nobody reads: {sorted(recorded - read)}"
+    missing = {name for name in read if ":" in name and not name.startswith("vllm:")} - recorded
+    assert not missing, f"expressions read recording rules that do not exist: {sorted(missing)}"
 
 
-def test_scrape_jobs_cover_the_stack():
-    config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
-    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+def test_every_expression_is_valid_on_prometheus_3():
+    expressions = [rule["expr"] for rule in rule_entries()] + dashboard_expressions()
+    problems = {expr: promql_checks.pitfalls(expr) for expr in expressions}
+    problems = {expr: found for expr, found in problems.items() if found}
+    assert not problems, "\n".join(f"{expr}\n    {found}" for expr, found in problems.items())
+    config_problems = promql_checks.config_pitfalls(yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text()))
+    assert not config_problems, config_problems
+
+
+@pytest.mark.parametrize(
+    ("expr", "finding"),
+    [
+        ('rate(x_bucket{le="1"}[1m])', 'le="1" is "1.0"'),
+        ('rate(x_bucket{le=~"1(\\\\.0)?"}[1m])', "regex on le"),
+        ('x{quantile="0.5"} + x{le="+Inf"}', None),
+        ('rate(x{status=~"5.."}[1m])', "also matches a newline"),
+        ('rate(x{route=~"/v1/.*", s=~"5[0-9][0-9]|a\\\\.b"}[1m])', None),
+        ("rate(x[10s])", "shorter than 4 scrapes"),
+        ("max_over_time(x[1m:5s])", None),
+        ("holt_winters(x[5m], 0.5, 0.5)", "not valid PromQL 3"),
+        ("double_exponential_smoothing(x[5m], 0.5, 0.5)", "experimental"),
+    ],
+)
+def test_the_prometheus_3_checker_finds_each_pitfall(expr, finding):
+    found = " / ".join(promql_checks.pitfalls(expr))
+    assert (finding in found) if finding else not found, found
+
+
+def test_the_config_checker_finds_renamed_keys_and_portless_targets():
+    problems = promql_checks.config_pitfalls(
+        {
+            "global": {"scrape_classic_histograms": True},
+            "scrape_configs": [{"job_name": "a", "static_configs": [{"targets": ["host"]}]}],
+        }
+    )
+    assert len(problems) == 2 and "always_scrape_classic_histograms" in problems[0] and "no port" in problems[1]
+
+
+def test_scrape_jobs_cover_the_stack_and_use_the_exporters_port():
+    prometheus = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
+    assert prometheus["global"]["scrape_interval"] == f"{config.SCRAPE_INTERVAL_SECONDS}s"
+    jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
     assert {"vllm", "gateway", "prometheus", "dcgm"} <= set(jobs)
-    # Every vLLM replica, by DNS, with a readable instance label.
+    for job in jobs.values():
+        assert "scrape_interval" not in job, f"job {job['job_name']} overrides the global scrape_interval"
     assert jobs["vllm"]["dns_sd_configs"][0]["names"] == ["vllm"]
     assert any(r.get("target_label") == "instance" for r in jobs["vllm"]["relabel_configs"])
+    assert jobs["gateway"]["static_configs"][0]["targets"] == [
+        f"gateway-exporter:{config.gateway_exporter().METRICS_PORT}"
+    ]
+
+
+def test_objectives_are_bucket_boundaries():
+    assert config.SLO_TTFT_P95_SECONDS in config.TTFT.buckets
+    assert config.SLO_TPOT_SECONDS in config.TPOT.buckets
