@@ -1,4 +1,5 @@
-"""Requests to the OpenAI-compatible API and what one request measured, streamed or not.
+"""The one SSE timing client: requests to the OpenAI-compatible API and what one request measured,
+streamed or not. Used by the load tests (through Locust's session), the lab scripts and benchmarks.
 
 Timing uses time.perf_counter: TTFT is from just before the request is sent to the arrival of the
 first chunk whose text is not empty; token counts come from the server's `usage`, never from
@@ -7,10 +8,16 @@ counting chunks (a chunk may carry several tokens).
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
+import urllib.parse
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+
+import requests
+
+from llmstack.cli import StackError, UsageError
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -50,7 +57,7 @@ class RequestRecord:
     @property
     def chunk_gaps(self) -> list[float]:
         offsets = self.chunk_offsets
-        return [b - a for a, b in zip(offsets, offsets[1:])]
+        return [b - a for a, b in itertools.pairwise(offsets)]
 
     @property
     def decode_time(self) -> float | None:
@@ -100,8 +107,15 @@ def chunk_text(payload: dict) -> str:
     return text
 
 
-def build_body(endpoint: str, model: str, prompt: str | None, messages: list[dict] | None,
-               max_tokens: int, stream: bool, ignore_eos: bool = True) -> dict:
+def build_body(
+    endpoint: str,
+    model: str,
+    prompt: str | None,
+    messages: list[dict] | None,
+    max_tokens: int,
+    stream: bool,
+    ignore_eos: bool = True,
+) -> dict:
     body: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     if ignore_eos:
         # Fixed output length: vLLM's extension, so every request decodes exactly max_tokens.
@@ -134,8 +148,16 @@ def apply_usage(record: RequestRecord, usage: dict | None) -> None:
         record.cached_tokens = int(details["cached_tokens"])
 
 
-def send(session, base_url: str, endpoint: str, body: dict, headers: dict, kind: str,
-         timeout: float = 900.0, **request_kwargs) -> RequestRecord:
+def send(
+    session,
+    base_url: str,
+    endpoint: str,
+    body: dict,
+    headers: dict,
+    kind: str,
+    timeout: float = 900.0,
+    **request_kwargs,
+) -> RequestRecord:
     """Send one request through `session` (requests.Session or Locust's HttpSession)."""
     record, response = _send(session, base_url, endpoint, body, headers, kind, timeout, **request_kwargs)
     if response is not None:
@@ -145,11 +167,13 @@ def send(session, base_url: str, endpoint: str, body: dict, headers: dict, kind:
 
 def _send(session, base_url, endpoint, body, headers, kind, timeout, **request_kwargs):
     streamed = bool(body.get("stream"))
-    record = RequestRecord(kind=kind, endpoint=endpoint, streamed=streamed,
-                           started=time.perf_counter(), started_wall=time.time())
+    record = RequestRecord(
+        kind=kind, endpoint=endpoint, streamed=streamed, started=time.perf_counter(), started_wall=time.time()
+    )
     try:
-        response = session.post(base_url + endpoint, json=body, headers=headers, stream=streamed,
-                                timeout=timeout, **request_kwargs)
+        response = session.post(
+            base_url + endpoint, json=body, headers=headers, stream=streamed, timeout=timeout, **request_kwargs
+        )
     except Exception as exc:  # connection refused, reset, timeout: a failed request, not a crash
         record.e2e = time.perf_counter() - record.started
         record.error = f"{type(exc).__name__}: {exc}"[:200]
@@ -189,3 +213,51 @@ def read_stream(record: RequestRecord, response) -> None:
         apply_usage(record, payload.get("usage"))
     if not done:
         raise RuntimeError("stream ended without [DONE]")
+
+
+class RequestFailed(StackError):
+    """A request the server refused or that broke; `status` is the HTTP status, if one came."""
+
+    def __init__(self, message: str, status: int | None):
+        super().__init__(message)
+        self.status = status
+
+
+class ApiClient:
+    """The OpenAI-compatible API at a base URL (the gateway, or vLLM itself) for the lab scripts and
+    benchmarks: errors become StackError / UsageError with one readable line."""
+
+    def __init__(self, base_url: str, api_key: str | None, timeout: float = 120.0):
+        parsed = urllib.parse.urlsplit(base_url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise UsageError(f"'{base_url}' is not an http(s) URL")
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.session = requests.Session()
+
+    def _failure(self, status: int | None, detail: str) -> RequestFailed:
+        hint = " (check --api-key / LLM_STACK_API_KEY)" if status == 401 else ""
+        where = f"{self.base_url} answered {status}" if status else f"cannot reach {self.base_url}"
+        return RequestFailed(f"{where}{hint}: {detail}", status)
+
+    def models(self) -> list[dict]:
+        try:
+            response = self.session.get(self.base_url + "/v1/models", headers=self.headers, timeout=self.timeout)
+        except requests.ConnectionError:
+            raise self._failure(None, "connection failed (is the stack up? docker compose ps)") from None
+        except requests.RequestException as err:
+            raise self._failure(None, type(err).__name__) from None
+        if response.status_code != 200:
+            raise self._failure(response.status_code, error_message(response.status_code, response.text))
+        return list(response.json().get("data") or [])
+
+    def completion(
+        self, model: str, prompt: str, max_tokens: int, kind: str = "completion", stream: bool = True
+    ) -> RequestRecord:
+        """One completion (streamed by default, fixed length); a failed request raises StackError."""
+        body = build_body(COMPLETIONS, model, prompt, None, max_tokens, stream)
+        record = send(self.session, self.base_url, COMPLETIONS, body, self.headers, kind, timeout=self.timeout)
+        if not record.ok:
+            raise self._failure(record.status, record.error or "failed")
+        return record

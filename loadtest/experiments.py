@@ -16,44 +16,76 @@ import logging
 import os
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
+from llmstack.cli import add_json_argument, main_exit, parser_from_doc
+
+PROG = "python -m loadtest.experiments"
 EXPERIMENTS = ("concurrency", "streaming", "prefix")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.experiments", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("experiments", nargs="*", default=["all"], metavar="EXPERIMENT",
-                        help="concurrency, streaming, prefix or all (default: all)")
-    parser.add_argument("--host", default=os.environ.get("LOADTEST_HOST", "http://nginx:8080"),
-                        help="gateway URL (default: %(default)s)")
-    parser.add_argument("--api-key-file", default=None,
-                        help="file with one or more API keys, one a line (default: LOADTEST_API_KEY_FILE)")
-    parser.add_argument("--model", default=os.environ.get("LOADTEST_MODEL", ""),
-                        help="served model name (default: the first of /v1/models)")
-    parser.add_argument("--levels", default=os.environ.get("LOADTEST_STEPS", "1,2,4,8"),
-                        help="concurrency levels, comma-separated (default: %(default)s)")
+    parser = parser_from_doc(PROG, __doc__)
+    parser.add_argument(
+        "experiments",
+        nargs="*",
+        default=["all"],
+        metavar="EXPERIMENT",
+        help="concurrency, streaming, prefix or all (default: all)",
+    )
+    parser.add_argument(
+        "--host",
+        default=(os.environ.get("LOADTEST_HOST") or "http://nginx:8080"),
+        help="gateway URL (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file with one or more API keys, one a line (default: LOADTEST_API_KEY_FILE)",
+    )
+    parser.add_argument(
+        "--model",
+        default=(os.environ.get("LOADTEST_MODEL") or ""),
+        help="served model name (default: the first of /v1/models)",
+    )
+    parser.add_argument(
+        "--levels",
+        default=(os.environ.get("LOADTEST_STEPS") or "1,2,4,8"),
+        help="concurrency levels, comma-separated (default: %(default)s)",
+    )
     hold = parser.add_mutually_exclusive_group()
-    hold.add_argument("--requests-per-client", type=int, default=None,
-                      help="hold each level until every client has sent this many requests (default: 4)")
+    hold.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=None,
+        help="hold each level until every client has sent this many requests (default: 4)",
+    )
     hold.add_argument("--step-seconds", type=float, default=None, help="hold each level this long instead")
-    parser.add_argument("--max-tokens", type=int, default=50, help="output tokens per request, concurrency "
-                        "experiment (the lab's 50)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=50,
+        help="output tokens per request, concurrency experiment (the lab's 50)",
+    )
     parser.add_argument("--streaming-requests", type=int, default=5, help="streamed requests, one at a time")
     parser.add_argument("--streaming-max-tokens", type=int, default=80, help="output tokens (the lab's 80)")
     parser.add_argument("--prefix-requests", type=int, default=10, help="requests with and without a shared prefix")
     parser.add_argument("--prefix-words", type=int, default=600, help="length of the system prompt in words")
-    parser.add_argument("--vllm-metrics-url", default=os.environ.get("LOADTEST_VLLM_METRICS_URL",
-                                                                     "http://vllm:8000/metrics"),
-                        help="vLLM's /metrics for the cross-check; '' to skip (default: %(default)s)")
-    parser.add_argument("--results", default=os.environ.get("LOADTEST_RESULTS_DIR", "results"),
-                        help="folder for the run's files (default: %(default)s)")
+    parser.add_argument(
+        "--vllm-metrics-url",
+        default=(os.environ.get("LOADTEST_VLLM_METRICS_URL") or "http://vllm:8000/metrics"),
+        help="vLLM's /metrics for the cross-check; '' to skip (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--results",
+        default=(os.environ.get("LOADTEST_RESULTS_DIR") or "results"),
+        help="folder for the run's files (default: %(default)s)",
+    )
     parser.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of tables")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
-    chosen = set()
+    chosen: set[str] = set()
     for name in args.experiments:
         if name == "all":
             chosen.update(EXPERIMENTS)
@@ -62,8 +94,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         else:
             parser.error(f"unknown experiment {name!r} (choose from {', '.join(EXPERIMENTS)}, all)")
     args.chosen = [name for name in EXPERIMENTS if name in chosen]
-    for flag in ("max_tokens", "streaming_requests", "streaming_max_tokens", "prefix_requests",
-                 "prefix_words"):
+    for flag in (
+        "max_tokens",
+        "streaming_requests",
+        "streaming_max_tokens",
+        "prefix_requests",
+        "prefix_words",
+    ):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.streaming_max_tokens < 2 or args.max_tokens < 2:
@@ -81,17 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Locust patches sockets with gevent; it must come after argument parsing (fast --help) and
     # before anything opens a connection.
-    from loadtest.settings import SettingsError, parse_levels
+    from loadtest.settings import parse_levels
 
-    try:
-        levels = parse_levels(args.levels)
-        return run(args, levels)
-    except SettingsError as exc:
-        print(f"experiments: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("experiments: interrupted", file=sys.stderr)
-        return 130
+    return run(args, parse_levels(args.levels))
 
 
 def run(args: argparse.Namespace, levels: list[int]) -> int:
@@ -109,7 +138,7 @@ def run(args: argparse.Namespace, levels: list[int]) -> int:
     settings.model = args.model
     settings.prefix_words = args.prefix_words
 
-    run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    run_id = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out_dir = Path(args.results) / f"loadtest-{run_id}"
     try:
         out_dir.mkdir(parents=True, exist_ok=False)
@@ -119,14 +148,20 @@ def run(args: argparse.Namespace, levels: list[int]) -> int:
     metrics.install_precise_buckets()
     metrics.KEEP_RECORDS = True
     runner = ExperimentRunner(settings, args.vllm_metrics_url)
-    summary: dict = {"run_id": run_id, "host": settings.host, "levels": levels, "results_dir": str(out_dir),
-                     "started": datetime.now(timezone.utc).isoformat()}
+    summary: dict = {
+        "run_id": run_id,
+        "host": settings.host,
+        "levels": levels,
+        "results_dir": str(out_dir),
+        "started": datetime.now(UTC).isoformat(),
+    }
     started = time.perf_counter()
     runner.warm_up()
     summary["model"] = settings.model
     if "concurrency" in args.chosen:
-        summary["concurrency"] = runner.concurrency(levels, args.requests_per_client, args.step_seconds,
-                                                    args.max_tokens)
+        summary["concurrency"] = runner.concurrency(
+            levels, args.requests_per_client, args.step_seconds, args.max_tokens
+        )
     if "streaming" in args.chosen:
         summary["streaming"] = runner.streaming(args.streaming_requests, args.streaming_max_tokens)
     if "prefix" in args.chosen:
@@ -141,15 +176,16 @@ def run(args: argparse.Namespace, levels: list[int]) -> int:
         print(json.dumps(summary, indent=2, default=str))
     else:
         print(report.render_tables(summary))
-        print(f"\nFiles: {out_dir}/ (records.csv, summary.json, report.html"
-              f"{', *.png' if not args.no_charts else ''})")
+        print(f"\nFiles: {out_dir}/ (records.csv, summary.json, report.html{', *.png' if not args.no_charts else ''})")
     if summary["failures"]:
         reasons = "; ".join(f"{count}x {reason}" for reason, count in summary["failure_reasons"].items())
-        print(f"experiments: {summary['failures']} of {summary['requests']} requests failed: {reasons}",
-              file=sys.stderr)
+        print(
+            f"{PROG}: {summary['failures']} of {summary['requests']} requests failed: {reasons}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main_exit(PROG, main)

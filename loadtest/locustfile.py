@@ -14,8 +14,13 @@ from loadtest import metrics
 from loadtest.steps import STEP_MESSAGE, StepLoadShape, on_step_message
 from loadtest.users import CompletionUser, PrefixCacheUser, StreamingChatUser, StreamingCompletionUser
 
-__all__ = ["CompletionUser", "StreamingCompletionUser", "StreamingChatUser", "PrefixCacheUser",
-           "StepLoadShape"]
+__all__ = [
+    "CompletionUser",
+    "PrefixCacheUser",
+    "StepLoadShape",
+    "StreamingChatUser",
+    "StreamingCompletionUser",
+]
 
 metrics.install_precise_buckets()
 
@@ -27,4 +32,3 @@ def on_init(environment, **_kwargs):
     if not isinstance(environment.runner, MasterRunner):
         # Workers (and a standalone locust) make the requests, so they export the client metrics.
         metrics.start_exporter()
-

@@ -8,7 +8,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from loadtest.openai_stream import RequestRecord
+from llmstack.cli import load_pyplot, save_chart
+from llmstack.sse import RequestRecord
 
 
 def fmt(value, digits: int = 1) -> str:
@@ -29,21 +30,53 @@ def failure_reasons(records: list[RequestRecord]) -> dict[str, int]:
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: " | ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    line = lambda cells: " | ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
     return "\n".join([line(headers), "-+-".join("-" * w for w in widths), *(line(r) for r in rows)])
 
 
 def concurrency_tables(result: dict) -> str:
     rows = result["rows"]
-    lab = table(["Concurrency", "Throughput (tok/s)", "Avg TPS per request", "Total time (s)"],
-                [[str(r["concurrency"]), fmt(r.get("throughput_tok_s")), fmt(r.get("avg_tps_per_request")),
-                  fmt(r.get("total_time_s"), 2)] for r in rows])
-    latency = table(["Concurrency", "Requests", "Failed", "Tokens", "TTFT p50/p90/p99 (ms)",
-                     "TPOT p50/p90/p99 (ms)", "Max in flight", "Max running in vLLM", "Client CPU %", "Client CPU ms/token"],
-                    [[str(r["concurrency"]), str(r["requests"]), str(r["failures"]), fmt(r.get("output_tokens")),
-                      triple(r.get("ttft_ms")), triple(r.get("tpot_ms")), fmt(r.get("max_in_flight"), 0), fmt(r.get("max_running_in_vllm"), 0),
-                      fmt(r.get("client_cpu_pct")), fmt(r.get("client_cpu_ms_per_token"), 3)]
-                     for r in rows])
+    lab = table(
+        ["Concurrency", "Throughput (tok/s)", "Avg TPS per request", "Total time (s)"],
+        [
+            [
+                str(r["concurrency"]),
+                fmt(r.get("throughput_tok_s")),
+                fmt(r.get("avg_tps_per_request")),
+                fmt(r.get("total_time_s"), 2),
+            ]
+            for r in rows
+        ],
+    )
+    latency = table(
+        [
+            "Concurrency",
+            "Requests",
+            "Failed",
+            "Tokens",
+            "TTFT p50/p90/p99 (ms)",
+            "TPOT p50/p90/p99 (ms)",
+            "Max in flight",
+            "Max running in vLLM",
+            "Client CPU %",
+            "Client CPU ms/token",
+        ],
+        [
+            [
+                str(r["concurrency"]),
+                str(r["requests"]),
+                str(r["failures"]),
+                fmt(r.get("output_tokens")),
+                triple(r.get("ttft_ms")),
+                triple(r.get("tpot_ms")),
+                fmt(r.get("max_in_flight"), 0),
+                fmt(r.get("max_running_in_vllm"), 0),
+                fmt(r.get("client_cpu_pct")),
+                fmt(r.get("client_cpu_ms_per_token"), 3),
+            ]
+            for r in rows
+        ],
+    )
     return f"{lab}\n\n{latency}\n\n{cross_check_line(result.get('vllm') or {})}"
 
 
@@ -58,28 +91,58 @@ def cross_check_line(check: dict) -> str:
         return "vLLM cross-check: vLLM's metrics not reachable (--vllm-metrics-url)."
     if check.get("vllm_ttft_mean_ms") is None:
         return "vLLM cross-check: no request reached vLLM."
-    return ("Cross-check, means over the same requests: TTFT client {} ms vs vLLM {} ms; "
-            "TPOT client {} ms vs vLLM {} ms ({} requests client-side, {} in vLLM's histogram)").format(
-        fmt(check["client_ttft_mean_ms"], 2), fmt(check["vllm_ttft_mean_ms"], 2),
-        fmt(check["client_tpot_mean_ms"], 3), fmt(check["vllm_tpot_mean_ms"], 3),
-        check["client_requests"], fmt(check.get("vllm_requests"), 0))
+    return (
+        "Cross-check, means over the same requests: TTFT client {} ms vs vLLM {} ms; "
+        "TPOT client {} ms vs vLLM {} ms ({} requests client-side, {} in vLLM's histogram)"
+    ).format(
+        fmt(check["client_ttft_mean_ms"], 2),
+        fmt(check["vllm_ttft_mean_ms"], 2),
+        fmt(check["client_tpot_mean_ms"], 3),
+        fmt(check["vllm_tpot_mean_ms"], 3),
+        check["client_requests"],
+        fmt(check.get("vllm_requests"), 0),
+    )
 
 
 def streaming_table(result: dict) -> str:
-    headers = ["Request", "TTFT (ms)", "Decode (ms)", "Output tokens", "Avg interval (ms)", "Tokens/s",
-               "TTFT / interval"]
+    headers = [
+        "Request",
+        "TTFT (ms)",
+        "Decode (ms)",
+        "Output tokens",
+        "Avg interval (ms)",
+        "Tokens/s",
+        "TTFT / interval",
+    ]
     rows = []
     for index, row in enumerate(result["rows"], 1):
         if not row["ok"]:
             rows.append([str(index), "failed: " + str(row["error"])[:40], "", "", "", "", ""])
             continue
-        rows.append([str(index), fmt(row["ttft_ms"], 2), fmt(row["decode_ms"]), str(row["output_tokens"]),
-                     fmt(row["avg_interval_ms"], 2), fmt(row["tokens_per_s"]), fmt(row["ttft_interval_ratio"]) + "x"])
+        rows.append(
+            [
+                str(index),
+                fmt(row["ttft_ms"], 2),
+                fmt(row["decode_ms"]),
+                str(row["output_tokens"]),
+                fmt(row["avg_interval_ms"], 2),
+                fmt(row["tokens_per_s"]),
+                fmt(row["ttft_interval_ratio"]) + "x",
+            ]
+        )
     median = result.get("median") or {}
     if median:
-        rows.append(["median", fmt(median.get("ttft_ms"), 2), fmt(median.get("decode_ms")),
-                     fmt(median.get("output_tokens"), 0), fmt(median.get("avg_interval_ms"), 2),
-                     fmt(median.get("tokens_per_s")), fmt(median.get("ttft_interval_ratio")) + "x"])
+        rows.append(
+            [
+                "median",
+                fmt(median.get("ttft_ms"), 2),
+                fmt(median.get("decode_ms")),
+                fmt(median.get("output_tokens"), 0),
+                fmt(median.get("avg_interval_ms"), 2),
+                fmt(median.get("tokens_per_s")),
+                fmt(median.get("ttft_interval_ratio")) + "x",
+            ]
+        )
     return table(headers, rows)
 
 
@@ -88,40 +151,98 @@ def prefix_table(result: dict) -> str:
     for kind in ("unique", "shared"):
         phase = result["phases"][kind]
         rate = phase["vllm_prefix_cache_hit_rate"]
-        rows.append([f"{kind} prefix", str(phase["requests"]), str(phase["failures"]), fmt(phase["prompt_tokens"], 0),
-                     triple(phase["ttft_ms"]), pct(rate * 100 if rate is not None else None),
-                     fmt(phase["vllm_ttft_mean_ms"], 2)])
-    text = table(["System prompt", "Requests", "Failed", "Prompt tokens", "TTFT p50/p90/p99 (ms)",
-                  "vLLM prefix-cache hit rate", "vLLM TTFT mean (ms)"], rows)
+        rows.append(
+            [
+                f"{kind} prefix",
+                str(phase["requests"]),
+                str(phase["failures"]),
+                fmt(phase["prompt_tokens"], 0),
+                triple(phase["ttft_ms"]),
+                pct(rate * 100 if rate is not None else None),
+                fmt(phase["vllm_ttft_mean_ms"], 2),
+            ]
+        )
+    text = table(
+        [
+            "System prompt",
+            "Requests",
+            "Failed",
+            "Prompt tokens",
+            "TTFT p50/p90/p99 (ms)",
+            "vLLM prefix-cache hit rate",
+            "vLLM TTFT mean (ms)",
+        ],
+        rows,
+    )
     return f"{text}\n\nTTFT reduction with a shared prefix (p50): {pct(result['ttft_reduction_pct'])}"
 
 
 def render_tables(summary: dict) -> str:
-    parts = [f"Model {summary.get('model')} through {summary['host']}; run {summary['run_id']}, "
-             f"{summary['requests']} requests, {summary['failures']} failed, {summary['duration_s']:.0f}s"]
+    parts = [
+        f"Model {summary.get('model')} through {summary['host']}; run {summary['run_id']}, "
+        f"{summary['requests']} requests, {summary['failures']} failed, {summary['duration_s']:.0f}s"
+    ]
     if "concurrency" in summary:
-        parts.append("== Concurrency (streamed /v1/completions, "
-                     f"{summary['concurrency']['rows'][0]['max_tokens']} tokens each)\n"
-                     + concurrency_tables(summary["concurrency"]))
+        parts.append(
+            "== Concurrency (streamed /v1/completions, "
+            f"{summary['concurrency']['rows'][0]['max_tokens']} tokens each)\n"
+            + concurrency_tables(summary["concurrency"])
+        )
     if "streaming" in summary:
-        parts.append(f"== Streaming ({summary['streaming']['max_tokens']} tokens, one request at a time)\n"
-                     + streaming_table(summary["streaming"]))
+        parts.append(
+            f"== Streaming ({summary['streaming']['max_tokens']} tokens, one request at a time)\n"
+            + streaming_table(summary["streaming"])
+        )
     if "prefix" in summary:
-        parts.append(f"== Prefix caching (system prompt of {summary['prefix']['prefix_words']} words)\n"
-                     + prefix_table(summary["prefix"]))
+        parts.append(
+            f"== Prefix caching (system prompt of {summary['prefix']['prefix_words']} words)\n"
+            + prefix_table(summary["prefix"])
+        )
     return "\n\n".join(parts)
 
 
 def write_files(out_dir: Path, summary: dict, records: list[RequestRecord], charts: bool) -> None:
     with open(out_dir / "records.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["kind", "endpoint", "tag", "step", "started_wall", "ok", "status", "error",
-                         "ttft_s", "tpot_s", "e2e_s", "output_tokens", "prompt_tokens", "cached_tokens",
-                         "chunk_offsets_s"])
+        writer.writerow(
+            [
+                "kind",
+                "endpoint",
+                "tag",
+                "step",
+                "started_wall",
+                "ok",
+                "status",
+                "error",
+                "ttft_s",
+                "tpot_s",
+                "e2e_s",
+                "output_tokens",
+                "prompt_tokens",
+                "cached_tokens",
+                "chunk_offsets_s",
+            ]
+        )
         for r in records:
-            writer.writerow([r.kind, r.endpoint, r.tag, r.step, f"{r.started_wall:.6f}", r.ok, r.status, r.error,
-                             r.ttft, r.tpot, r.e2e, r.output_tokens, r.prompt_tokens, r.cached_tokens,
-                             json.dumps([round(x, 6) for x in r.chunk_offsets])])
+            writer.writerow(
+                [
+                    r.kind,
+                    r.endpoint,
+                    r.tag,
+                    r.step,
+                    f"{r.started_wall:.6f}",
+                    r.ok,
+                    r.status,
+                    r.error,
+                    r.ttft,
+                    r.tpot,
+                    r.e2e,
+                    r.output_tokens,
+                    r.prompt_tokens,
+                    r.cached_tokens,
+                    json.dumps([round(x, 6) for x in r.chunk_offsets]),
+                ]
+            )
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     images = make_charts(out_dir, summary) if charts else []
     body = html.escape(render_tables(summary))
@@ -129,21 +250,20 @@ def write_files(out_dir: Path, summary: dict, records: list[RequestRecord], char
     (out_dir / "report.html").write_text(
         "<!doctype html><meta charset='utf-8'><title>Load test " + html.escape(summary["run_id"]) + "</title>"
         "<style>body{font-family:sans-serif;margin:2em}pre{background:#f6f6f6;padding:1em}img{max-width:48%}</style>"
-        f"<h1>Load test {html.escape(summary['run_id'])}</h1><pre>{body}</pre>{figures}")
+        f"<h1>Load test {html.escape(summary['run_id'])}</h1><pre>{body}</pre>{figures}"
+    )
 
 
 def make_charts(out_dir: Path, summary: dict) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = load_pyplot()
     names = []
     rows = [r for r in (summary.get("concurrency") or {}).get("rows", []) if r.get("throughput_tok_s")]
     if rows:
         levels = [r["concurrency"] for r in rows]
-        for key, title, name in (("throughput_tok_s", "Throughput (tok/s)", "throughput_vs_concurrency.png"),
-                                 ("avg_tps_per_request", "Avg TPS per request", "tps_per_request_vs_concurrency.png")):
+        for key, title, name in (
+            ("throughput_tok_s", "Throughput (tok/s)", "throughput_vs_concurrency.png"),
+            ("avg_tps_per_request", "Avg TPS per request", "tps_per_request_vs_concurrency.png"),
+        ):
             fig, ax = plt.subplots(figsize=(6, 4))
             ax.plot(levels, [r[key] for r in rows], marker="o")
             ax.set_xscale("log", base=2)
@@ -152,9 +272,7 @@ def make_charts(out_dir: Path, summary: dict) -> list[str]:
             ax.set_ylabel(title)
             ax.set_title(f"{title} vs concurrency")
             ax.grid(True, alpha=0.3)
-            fig.tight_layout()
-            fig.savefig(out_dir / name, dpi=100)
-            plt.close(fig)
+            save_chart(plt, fig, out_dir / name)
             names.append(name)
     timeline = (summary.get("streaming") or {}).get("timeline_s") or []
     if timeline:
@@ -166,8 +284,6 @@ def make_charts(out_dir: Path, summary: dict) -> list[str]:
         ax.set_title("Token arrival timeline of one streamed request")
         ax.legend()
         ax.grid(True, alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out_dir / "token_timeline.png", dpi=100)
-        plt.close(fig)
+        save_chart(plt, fig, out_dir / "token_timeline.png")
         names.append("token_timeline.png")
     return names

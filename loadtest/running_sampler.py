@@ -9,46 +9,42 @@ is slow.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 import urllib.request
 
-METRIC = b"vllm:num_requests_running"
+from llmstack import promtext
+from llmstack.cli import main_exit, parser_from_doc
+
+PROG = "python -m loadtest.running_sampler"
+METRIC = "vllm:num_requests_running"
 
 
 def read_running(url: str) -> float | None:
     with urllib.request.urlopen(url, timeout=2) as response:
-        total, seen = 0.0, False
-        for line in response.read().splitlines():
-            if line.startswith(METRIC) and line[len(METRIC):len(METRIC) + 1] in (b"{", b" "):
-                total += float(line.rsplit(b" ", 1)[1])
-                seen = True
-    return total if seen else None
+        return promtext.total(promtext.parse(response.read().decode()), METRIC)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.running_sampler", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("url")
-    parser.add_argument("--interval", type=float, default=0.05)
-    parser.add_argument("--max-seconds", type=float, default=3600)
+    parser = parser_from_doc(PROG, __doc__)
+    parser.add_argument("url", help="vLLM's /metrics URL")
+    parser.add_argument("--interval", type=float, default=0.05, help="seconds between polls (default: %(default)s)")
+    parser.add_argument("--max-seconds", type=float, default=3600, help="stop after this long (default: %(default)s)")
     args = parser.parse_args(argv)
     deadline = time.perf_counter() + args.max_seconds
-    while time.perf_counter() < deadline:
-        sent = time.perf_counter()
-        try:
-            value = read_running(args.url)
-        except (OSError, ValueError):
-            value = None
-        if value is not None:
-            print(f"{sent:.6f} {time.perf_counter():.6f} {value}", flush=True)
-        time.sleep(args.interval)
+    try:
+        while time.perf_counter() < deadline:
+            sent = time.perf_counter()
+            try:
+                value = read_running(args.url)
+            except (OSError, promtext.MetricsFormatError):
+                value = None
+            if value is not None:
+                print(f"{sent:.6f} {time.perf_counter():.6f} {value}", flush=True)
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        pass  # the runner stops us with SIGTERM or Ctrl-C: either is the normal end
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(0)
+    main_exit(PROG, main)

@@ -8,12 +8,14 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmstack.cli import UsageError
+
 LAB_PROMPT = "Please describe the inference process of large language models in three sentences"
 DEFAULT_LEVELS = (1, 2, 4, 8)
 
 
-class SettingsError(ValueError):
-    """A setting the user gave is unusable; the message says which."""
+class SettingsError(UsageError):
+    """A setting the user gave is unusable; the message says which (exit code 2)."""
 
 
 def parse_levels(text: str) -> list[int]:
@@ -55,16 +57,19 @@ class Settings:
             return self.api_keys[next(self._next_key) % len(self.api_keys)]
 
     @classmethod
-    def from_environment(cls, environ=os.environ) -> "Settings":
+    def from_environment(cls, environ=os.environ) -> Settings:
         if environ.get("LOADTEST_API_KEY"):
             keys = [environ["LOADTEST_API_KEY"]]
         else:
-            keys = read_keys(environ.get("LOADTEST_API_KEY_FILE", "/run/secrets/loadtest_api_key"))
+            keys = read_keys(environ.get("LOADTEST_API_KEY_FILE") or "/run/secrets/loadtest_api_key")
         try:
-            return cls(host=environ.get("LOADTEST_HOST", "http://nginx:8080").rstrip("/"), api_keys=keys,
-                       model=environ.get("LOADTEST_MODEL", ""),
-                       prompt=environ.get("LOADTEST_PROMPT") or LAB_PROMPT,
-                       max_tokens=int(environ.get("LOADTEST_MAX_TOKENS", "50")),
-                       prefix_words=int(environ.get("LOADTEST_PREFIX_WORDS", "600")))
+            return cls(
+                host=(environ.get("LOADTEST_HOST") or "http://nginx:8080").rstrip("/"),
+                api_keys=keys,
+                model=(environ.get("LOADTEST_MODEL") or ""),
+                prompt=environ.get("LOADTEST_PROMPT") or LAB_PROMPT,
+                max_tokens=int(environ.get("LOADTEST_MAX_TOKENS") or "50"),
+                prefix_words=int(environ.get("LOADTEST_PREFIX_WORDS") or "600"),
+            )
         except ValueError as exc:
             raise SettingsError(f"bad number in LOADTEST_* settings: {exc}") from None

@@ -60,9 +60,23 @@ class StepState:
 def samples_in_step(windows: list[StepWindow], samples: list[tuple[float, float, float]], level: int) -> list[float]:
     """Values of (sent, received, value) samples taken wholly inside a step of this level: a slow
     scrape that straddles a step boundary could hold either step's value, so it counts for neither."""
-    return [value for window in windows if window.level == level
-            for sent, received, value in samples
-            if window.started <= sent and received <= (window.ended or float("inf"))]
+    return [
+        value
+        for window in windows
+        if window.level == level
+        for sent, received, value in samples
+        if window.started <= sent and received <= (window.ended or float("inf"))
+    ]
+
+
+def max_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The most (start, end) intervals open at one moment; one ending as another starts is not an overlap."""
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    most = current = 0
+    for _moment, change in events:
+        current += change
+        most = max(most, current)
+    return most
 
 
 STEP_STATE = StepState()

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
+
 from locust import LoadTestShape
 
 from loadtest.metrics import E2E
-from loadtest.step_state import STEP_STATE
 from loadtest.settings import DEFAULT_LEVELS, SettingsError, parse_levels
+from loadtest.step_state import STEP_STATE
 
 STEP_MESSAGE = "loadtest_step"
 SPAWN_AT_ONCE = 100  # Locust warns above 100 users per second; levels above it ramp over a second or two
@@ -34,16 +35,20 @@ class StepLoadShape(LoadTestShape):
     """Concurrency steps; settings from LOADTEST_STEPS, LOADTEST_STEP_SECONDS,
     LOADTEST_STEP_REQUESTS_PER_USER (request mode wins when both are set)."""
 
-    def __init__(self, levels: list[int] | None = None, step_seconds: float | None = None,
-                 requests_per_user: int | None = None):
+    def __init__(
+        self,
+        levels: list[int] | None = None,
+        step_seconds: float | None = None,
+        requests_per_user: int | None = None,
+    ):
         super().__init__()
         env = os.environ
-        self.levels = levels or parse_levels(env.get("LOADTEST_STEPS", ",".join(map(str, DEFAULT_LEVELS))))
+        self.levels = levels or parse_levels(env.get("LOADTEST_STEPS") or ",".join(map(str, DEFAULT_LEVELS)))
         if step_seconds is None and requests_per_user is None:
             if env.get("LOADTEST_STEP_REQUESTS_PER_USER"):
                 requests_per_user = int(env["LOADTEST_STEP_REQUESTS_PER_USER"])
             else:
-                step_seconds = float(env.get("LOADTEST_STEP_SECONDS", "30"))
+                step_seconds = float(env.get("LOADTEST_STEP_SECONDS") or "30")
         if requests_per_user is not None and requests_per_user < 1:
             raise SettingsError("requests per user per step must be at least 1")
         if requests_per_user is None and (step_seconds is None or step_seconds <= 0):
@@ -52,7 +57,7 @@ class StepLoadShape(LoadTestShape):
         self.requests_per_user = requests_per_user
         self.index = -1
         self.step_started = 0.0
-        self.max_step_seconds = float(env.get("LOADTEST_STEP_TIMEOUT_SECONDS", "600"))
+        self.max_step_seconds = float(env.get("LOADTEST_STEP_TIMEOUT_SECONDS") or "600")
 
     def _begin(self, index: int) -> None:
         self.index = index
@@ -71,8 +76,11 @@ class StepLoadShape(LoadTestShape):
     def completed_in_step(self) -> int:
         level = self.levels[self.index]
         suffix = f"[c={level}]"
-        return sum(entry.num_requests for (name, method), entry in self.runner.stats.entries.items()
-                   if method == E2E and name.endswith(suffix))
+        return sum(
+            entry.num_requests
+            for (name, method), entry in self.runner.stats.entries.items()
+            if method == E2E and name.endswith(suffix)
+        )
 
     def step_done(self) -> bool:
         held = self.get_run_time() - self.step_started

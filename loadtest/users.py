@@ -6,21 +6,26 @@ the key file (round-robin), sending through the gateway like any other client.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 
 import gevent
 from locust import HttpUser, constant, task
 
+from llmstack.sse import CHAT_COMPLETIONS, COMPLETIONS, RequestRecord, build_body, send
 from loadtest import metrics
-from loadtest.openai_stream import CHAT_COMPLETIONS, COMPLETIONS, RequestRecord, build_body, send
 from loadtest.settings import Settings
 from loadtest.step_state import STEP_STATE
 
 _settings: Settings | None = None
 _model_lock = threading.Lock()
-_WORDS = ("kernel cache token batch decode prefill memory tensor latency throughput scheduler block "
-          "attention query value key layer stream request server client gateway model weight page").split()
+# Prompt words; any text would do, these read like the domain.
+_VOCABULARY = (
+    "kernel cache token batch decode prefill memory tensor latency throughput scheduler block "
+    "attention query value key layer stream request server client gateway model weight page"
+)
+_WORDS = _VOCABULARY.split()
 
 
 def settings() -> Settings:
@@ -73,11 +78,9 @@ class OpenAIUser(HttpUser):
             if config.model:
                 return
             response = self.client.get("/v1/models", headers=self.headers, name="/v1/models")
-            try:
+            # Unknown, it stays unset: the requests fail visibly (401, 503) and each is counted.
+            with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
                 config.model = response.json()["data"][0]["id"]
-            except (ValueError, KeyError, IndexError, TypeError):
-                # Leave it unset: the requests fail visibly (401, 503) and each is counted.
-                pass
 
     def run_request(self, endpoint: str, body: dict, kind: str, tag: str = "") -> RequestRecord | None:
         allowed, step = STEP_STATE.try_start()
@@ -94,8 +97,14 @@ class OpenAIUser(HttpUser):
 
     def body(self, endpoint: str, stream: bool, **overrides) -> dict:
         config = settings()
-        return build_body(endpoint, config.model or "unknown-model", overrides.get("prompt", config.prompt),
-                          overrides.get("messages"), overrides.get("max_tokens", config.max_tokens), stream)
+        return build_body(
+            endpoint,
+            config.model or "unknown-model",
+            overrides.get("prompt", config.prompt),
+            overrides.get("messages"),
+            overrides.get("max_tokens", config.max_tokens),
+            stream,
+        )
 
 
 class CompletionUser(OpenAIUser):
@@ -120,8 +129,7 @@ class StreamingChatUser(OpenAIUser):
     @task
     def streaming_chat(self) -> None:
         messages = [{"role": "user", "content": settings().prompt}]
-        self.run_request(CHAT_COMPLETIONS, self.body(CHAT_COMPLETIONS, stream=True, messages=messages),
-                         "stream-chat")
+        self.run_request(CHAT_COMPLETIONS, self.body(CHAT_COMPLETIONS, stream=True, messages=messages), "stream-chat")
 
 
 class PrefixCacheUser(OpenAIUser):

@@ -24,9 +24,20 @@ def run_experiments(stack, *args: str, timeout: float = 900):
 @pytest.fixture(scope="module")
 def experiments(stack):
     """One short run of all three experiments, as the README's command runs them."""
-    result = run_experiments(stack, "all", "--levels", ",".join(map(str, LEVELS)), "--requests-per-client", "2",
-                             "--max-tokens", str(MAX_TOKENS), "--streaming-requests", "2",
-                             "--prefix-requests", "3")
+    result = run_experiments(
+        stack,
+        "all",
+        "--levels",
+        ",".join(map(str, LEVELS)),
+        "--requests-per-client",
+        "2",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--streaming-requests",
+        "2",
+        "--prefix-requests",
+        "3",
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     return json.loads(result.stdout)
@@ -91,7 +102,8 @@ def test_prefix_caching_hits_the_cache(experiments):
     assert shared["vllm_prefix_cache_hit_rate"] > unique["vllm_prefix_cache_hit_rate"]
     assert shared["ttft_ms"]["p50"] > 0 and unique["ttft_ms"]["p50"] > 0
     assert prefix["ttft_reduction_pct"] == pytest.approx(
-        (1 - shared["ttft_ms"]["p50"] / unique["ttft_ms"]["p50"]) * 100)
+        (1 - shared["ttft_ms"]["p50"] / unique["ttft_ms"]["p50"]) * 100
+    )
 
 
 def test_client_and_vllm_saw_the_same_requests(experiments):
@@ -103,8 +115,14 @@ def test_client_and_vllm_saw_the_same_requests(experiments):
 
 def test_results_files_and_charts(experiments):
     folder = REPO_ROOT / experiments["results_dir"].lstrip("/")
-    for name in ("records.csv", "summary.json", "report.html", "throughput_vs_concurrency.png",
-                 "tps_per_request_vs_concurrency.png", "token_timeline.png"):
+    for name in (
+        "records.csv",
+        "summary.json",
+        "report.html",
+        "throughput_vs_concurrency.png",
+        "tps_per_request_vs_concurrency.png",
+        "token_timeline.png",
+    ):
         path = folder / name
         assert path.is_file() and path.stat().st_size > 0, name
     assert (folder / "throughput_vs_concurrency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -112,9 +130,24 @@ def test_results_files_and_charts(experiments):
 
 
 def test_wrong_api_key_reports_failures(stack):
-    wrong = stack.compose_command("run", "--rm", "-T", "-e", "LOADTEST_API_KEY=sk-wrong", "locust-master",
-                                  "python", "-m", "loadtest.experiments", "--json", "streaming",
-                                  "--streaming-requests", "2", "--no-charts", check=False, timeout=300)
+    wrong = stack.compose_command(
+        "run",
+        "--rm",
+        "-T",
+        "-e",
+        "LOADTEST_API_KEY=sk-wrong",
+        "locust-master",
+        "python",
+        "-m",
+        "loadtest.experiments",
+        "--json",
+        "streaming",
+        "--streaming-requests",
+        "2",
+        "--no-charts",
+        check=False,
+        timeout=300,
+    )
     assert wrong.returncode == 1, wrong.stderr[-2000:]
     assert "Traceback" not in wrong.stderr
     summary = json.loads(wrong.stdout)
@@ -129,8 +162,7 @@ def test_web_ui_only_through_nginx_with_login(stack):
     response = requests.get(stack.url("/locust/"), auth=("admin", stack.passwords["locust"]), timeout=10)
     assert response.status_code == 200
     assert "window.templateArgs" in response.text
-    stats = requests.get(stack.url("/locust/stats/requests"), auth=("admin", stack.passwords["locust"]),
-                         timeout=10)
+    stats = requests.get(stack.url("/locust/stats/requests"), auth=("admin", stack.passwords["locust"]), timeout=10)
     assert stats.status_code == 200 and "state" in stats.json()
     # The master's own port is not published: only nginx's is.
     ports = stack.compose_command("port", "locust-master", "8089", check=False)
@@ -139,8 +171,7 @@ def test_web_ui_only_through_nginx_with_login(stack):
 
 def test_web_ui_offers_the_users_and_the_step_shape(stack):
     page = requests.get(stack.url("/locust/"), auth=("admin", stack.passwords["locust"]), timeout=10).text
-    for name in ("StreamingCompletionUser", "StreamingChatUser", "CompletionUser", "PrefixCacheUser",
-                 "StepLoadShape"):
+    for name in ("StreamingCompletionUser", "StreamingChatUser", "CompletionUser", "PrefixCacheUser", "StepLoadShape"):
         assert name in page
     assert '"worker_count": 1' in page
 
@@ -149,6 +180,7 @@ def test_web_ui_run_with_a_worker_keeps_sub_millisecond_precision_and_exports_me
     """Runs started in the browser (the web UI's form, through nginx with the login): the worker
     sends non-streamed completions, then streamed chat, through the gateway; the UI's table has the
     streaming entries with their precision kept, and Prometheus scraped the worker's histograms."""
+
     def entries_of(stats: dict) -> dict:
         assert stats["worker_count"] == 1
         return {(entry["method"], entry["name"]): entry for entry in stats["stats"] if entry["name"] != "Aggregated"}
@@ -166,8 +198,11 @@ def test_web_ui_run_with_a_worker_keeps_sub_millisecond_precision_and_exports_me
         assert entries[key]["num_requests"] > 0 and entries[key]["num_failures"] == 0, entries[key]
     # Locust alone keeps its percentiles in whole milliseconds; these keep 0.01 ms below 10 ms.
     # (The UI rounds min and max itself, so the medians and p95s are what to look at.)
-    percentiles = {key: (entries[key]["median_response_time"], entries[key]["response_time_percentile_0.95"])
-                   for key in entries if key[0] in ("TPOT", "ITL", "TTFT")}
+    percentiles = {
+        key: (entries[key]["median_response_time"], entries[key]["response_time_percentile_0.95"])
+        for key in entries
+        if key[0] in ("TPOT", "ITL", "TTFT")
+    }
     assert any(value % 1 for pair in percentiles.values() for value in pair if value), percentiles
     ttft, e2e = entries[("TTFT", chat)], entries[("E2E", chat)]
     assert 0 < ttft["avg_response_time"] < e2e["avg_response_time"]
@@ -177,8 +212,9 @@ def test_web_ui_run_with_a_worker_keeps_sub_millisecond_precision_and_exports_me
     deadline = time.monotonic() + 60
     counted = 0.0
     while time.monotonic() < deadline and counted < ttft["num_requests"]:
-        result = requests.get(stack.url("/prometheus/api/v1/query"), params={"query": query}, auth=auth,
-                              timeout=10).json()["data"]["result"]
+        result = requests.get(
+            stack.url("/prometheus/api/v1/query"), params={"query": query}, auth=auth, timeout=10
+        ).json()["data"]["result"]
         counted = float(result[0]["value"][1]) if result else 0.0
         time.sleep(2)
     assert counted >= ttft["num_requests"], f"Prometheus counted {counted} client TTFTs, the UI {ttft['num_requests']}"
@@ -187,12 +223,42 @@ def test_web_ui_run_with_a_worker_keeps_sub_millisecond_precision_and_exports_me
 def test_gateway_vs_direct_benchmark_runs_in_the_stack(stack):
     """The GPU report's command, as docs/gpu-results.md gives it for a compose stack, on the CPU stack."""
     result = stack.compose_command(
-        "run", "--rm", "-T", "-v", f"{REPO_ROOT}:/work", "-w", "/work", "locust-master",
-        "python", "benchmarks/gateway_vs_direct.py", "--json", "--gateway", "http://nginx:8080",
-        "--direct", "http://vllm:8000", "--api-key-file", "/run/secrets/loadtest_api_key",
-        "--levels", "1,2", "--min-requests", "2", "--requests-per-client", "1", "--max-tokens", "8",
-        "--streaming-requests", "1", "--prefix-requests", "1", "--skip", "latency,memory",
-        "--results", "/work/results", check=False, timeout=600)
+        "run",
+        "--rm",
+        "-T",
+        "-v",
+        f"{REPO_ROOT}:/work",
+        "-w",
+        "/work",
+        "locust-master",
+        "python",
+        "benchmarks/gateway_vs_direct.py",
+        "--json",
+        "--gateway",
+        "http://nginx:8080",
+        "--direct",
+        "http://vllm:8000",
+        "--api-key-file",
+        "/run/secrets/loadtest_api_key",
+        "--levels",
+        "1,2",
+        "--min-requests",
+        "2",
+        "--requests-per-client",
+        "1",
+        "--max-tokens",
+        "8",
+        "--streaming-requests",
+        "1",
+        "--prefix-requests",
+        "1",
+        "--skip",
+        "latency,memory",
+        "--results",
+        "/work/results",
+        check=False,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     summary = json.loads(result.stdout)
@@ -205,7 +271,8 @@ def test_gateway_vs_direct_benchmark_runs_in_the_stack(stack):
             assert row[path]["requests"] == 2 * max(1, 2 // row["concurrency"]) * row["concurrency"]
             assert row[path]["throughput_tok_s"] > 0 and row[path]["vllm_ttft_mean_ms"] > 0
         assert row["added_ttft_p50_ms"] == pytest.approx(
-            row["gateway"]["ttft_ms"]["p50"] - row["direct"]["ttft_ms"]["p50"])
+            row["gateway"]["ttft_ms"]["p50"] - row["direct"]["ttft_ms"]["p50"]
+        )
     assert summary["streaming"]["gateway"]["output_tokens"] == summary["streaming"]["direct"]["output_tokens"]
     assert summary["prefix"]["direct"]["prompt_tokens"] > 0
     assert {t["target"] for t in summary["targets"]} >= {"added TTFT p50 <= 1 ms", "added TTFT p99 <= 3 ms"}

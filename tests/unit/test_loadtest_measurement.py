@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import requests
 
-from loadtest import report
-from loadtest.openai_stream import (COMPLETIONS, RequestRecord, build_body, chunk_text, iter_sse_data,
-                                    send)
-from loadtest.stats_math import percentile, precise_bucket
+from llmstack.bench import gateway_overhead
+from llmstack.promtext import Snapshot
+from llmstack.sse import COMPLETIONS, RequestRecord, build_body, chunk_text, iter_sse_data, send
+from llmstack.stats import percentile
+from loadtest import report, results
+from loadtest.buckets import precise_bucket
 from loadtest.settings import Settings, SettingsError, parse_levels, read_keys
-from loadtest.step_state import StepState
-from loadtest.vllm_metrics import parse
+from loadtest.step_state import StepState, StepWindow, max_overlap, samples_in_step
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,8 +50,9 @@ def test_body_asks_for_usage_and_fixed_length():
 
 
 def test_tpot_uses_usage_tokens_not_chunks():
-    record = RequestRecord("k", COMPLETIONS, True, 0.0, 0.0, e2e=0.5, ttft=0.1, output_tokens=41,
-                           chunk_offsets=[0.1, 0.3, 0.5])
+    record = RequestRecord(
+        "k", COMPLETIONS, True, 0.0, 0.0, e2e=0.5, ttft=0.1, output_tokens=41, chunk_offsets=[0.1, 0.3, 0.5]
+    )
     assert record.tpot == pytest.approx(0.01)
     assert record.chunk_gaps == pytest.approx([0.2, 0.2])
 
@@ -61,10 +63,33 @@ def test_precise_bucket_keeps_single_digit_milliseconds():
     assert precise_bucket(1234.5) == 1230.0
 
 
-def test_percentile_interpolates():
-    assert percentile([1, 2, 3, 4], 50) == 2.5
-    assert percentile([5], 99) == 5
-    assert percentile([], 50) is None
+def streamed(ttft: float, e2e: float, step: int = 1) -> RequestRecord:
+    return RequestRecord(
+        "stream-completion",
+        COMPLETIONS,
+        True,
+        started=1.0,
+        started_wall=0.0,
+        e2e=e2e,
+        ttft=ttft,
+        output_tokens=11,
+        chunk_offsets=[ttft, e2e],
+        step=step,
+    )
+
+
+def test_the_tables_take_their_percentiles_from_llmstack_stats():
+    """The one percentile: a level's p50/p90/p99 are llmstack.stats.percentile of the raw values,
+    interpolated (nearest rank would give 40 ms for p90 of these ten)."""
+    ttfts = [0.001 * x for x in (5, 1, 9, 3, 7, 2, 8, 4, 6, 40)]
+    records = [streamed(ttft, ttft + 0.1) for ttft in ttfts]
+    row = results.concurrency_row(1, records, 11, [], [])
+    for q in (50, 90, 99):
+        assert row["ttft_ms"][f"p{q}"] == pytest.approx(percentile(ttfts, q) * 1000)
+    assert row["ttft_ms"]["p90"] == pytest.approx(12.1)
+    assert row["tpot_ms"]["p90"] == pytest.approx(percentile([r.tpot for r in records], 90) * 1000)
+    # The streaming table's medians are the same percentile's p50.
+    assert results.streaming_result(records[:4], 11)["median"]["ttft_ms"] == pytest.approx(4.0)
 
 
 def test_levels_and_keys(tmp_path):
@@ -92,12 +117,23 @@ def test_step_budget_gates_requests():
     assert [w.level for w in state.windows] == [2, 4] and all(w.ended for w in state.windows)
 
 
-def test_vllm_metrics_parse_sums_label_sets():
-    snapshot = parse('# HELP x\nvllm:num_requests_running{model_name="a"} 2.0\n'
-                     'vllm:num_requests_running{model_name="b"} 1.0\nvllm:x_sum 3\nvllm:x_count 2\n')
-    later = parse("vllm:x_sum 5\nvllm:x_count 4\n")
-    assert snapshot.get("vllm:num_requests_running") == 3.0
-    assert snapshot.histogram_mean(later, "vllm:x") == 1.0
+def vllm_page(ttft_sum: float, ttft_count: int) -> Snapshot:
+    return Snapshot.from_text(
+        "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        f'vllm:time_to_first_token_seconds_bucket{{le="+Inf",model_name="m"}} {ttft_count}\n'
+        f'vllm:time_to_first_token_seconds_sum{{model_name="m"}} {ttft_sum}\n'
+        f'vllm:time_to_first_token_seconds_count{{model_name="m"}} {ttft_count}\n'
+    )
+
+
+def test_cross_check_reads_vllm_histograms_between_two_snapshots():
+    check = results.cross_check(vllm_page(1.0, 10), vllm_page(1.3, 13), [streamed(0.02, 0.2)] * 3)
+    assert check["vllm_ttft_mean_ms"] == pytest.approx(100.0)
+    assert check["vllm_requests"] == 3 and check["client_requests"] == 3
+    assert check["client_ttft_mean_ms"] == pytest.approx(20.0)
+    # Without vLLM's metrics the cross-check is empty, not an error.
+    assert results.cross_check(None, None, [])["vllm_ttft_mean_ms"] is None
+    assert results.read_snapshot("") is None and results.read_snapshot("http://127.0.0.1:9/metrics") is None
 
 
 class SlowStream(BaseHTTPRequestHandler):
@@ -131,8 +167,14 @@ def test_streamed_request_timing_against_a_real_server():
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        record = send(requests.Session(), url, COMPLETIONS, build_body(COMPLETIONS, "m", "p", None, 10, True),
-                      {}, "stream-completion")
+        record = send(
+            requests.Session(),
+            url,
+            COMPLETIONS,
+            build_body(COMPLETIONS, "m", "p", None, 10, True),
+            {},
+            "stream-completion",
+        )
     finally:
         server.shutdown()
     assert record.ok, record.error
@@ -145,20 +187,59 @@ def test_streamed_request_timing_against_a_real_server():
     assert any(abs(gap * 1000 - round(gap * 1000)) > 0.01 for gap in record.chunk_gaps)
 
 
+def test_gateway_overhead_times_first_byte_and_first_token_apart():
+    """The benchmark's TTFB is the first body bytes (the empty first event here), its TTFT the first
+    text, both through the one SSE client."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowStream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        ttfb, ttft = gateway_overhead.stream_once(gateway_overhead.FirstByteSession(), url, None, "m", 10)
+    finally:
+        server.shutdown()
+    assert ttfb > 0.004 and ttfb + 0.004 < ttft < 0.05
+
+
 def test_connection_refused_is_a_failed_record():
-    record = send(requests.Session(), "http://127.0.0.1:9", COMPLETIONS,
-                  build_body(COMPLETIONS, "m", "p", None, 2, True), {}, "k", timeout=2)
+    record = send(
+        requests.Session(),
+        "http://127.0.0.1:9",
+        COMPLETIONS,
+        build_body(COMPLETIONS, "m", "p", None, 2, True),
+        {},
+        "k",
+        timeout=2,
+    )
     assert not record.ok and "ConnectionError" in record.error
 
 
 def test_tables_render_lab_columns():
-    summary = {"run_id": "r", "host": "h", "model": "m", "requests": 2, "failures": 0, "duration_s": 1.0,
-               "concurrency": {"rows": [{"concurrency": 1, "requests": 2, "failures": 0, "max_tokens": 50,
-                                         "throughput_tok_s": 100.0, "avg_tps_per_request": 90.0,
-                                         "total_time_s": 1.0, "output_tokens": 100,
-                                         "ttft_ms": {"p50": 1.0, "p90": 2.0, "p99": 3.0},
-                                         "tpot_ms": {"p50": 1.5, "p90": 1.6, "p99": 1.7},
-                                         "max_running_in_vllm": 1.0}], "vllm": {}}}
+    summary = {
+        "run_id": "r",
+        "host": "h",
+        "model": "m",
+        "requests": 2,
+        "failures": 0,
+        "duration_s": 1.0,
+        "concurrency": {
+            "rows": [
+                {
+                    "concurrency": 1,
+                    "requests": 2,
+                    "failures": 0,
+                    "max_tokens": 50,
+                    "throughput_tok_s": 100.0,
+                    "avg_tps_per_request": 90.0,
+                    "total_time_s": 1.0,
+                    "output_tokens": 100,
+                    "ttft_ms": {"p50": 1.0, "p90": 2.0, "p99": 3.0},
+                    "tpot_ms": {"p50": 1.5, "p90": 1.6, "p99": 1.7},
+                    "max_running_in_vllm": 1.0,
+                }
+            ],
+            "vllm": {},
+        },
+    }
     text = report.render_tables(summary)
     assert "Concurrency | Throughput (tok/s) | Avg TPS per request | Total time (s)" in text
     assert "1.00/2.00/3.00" in text
@@ -166,17 +247,21 @@ def test_tables_render_lab_columns():
 
 @pytest.mark.parametrize("argv", [["bogus"], ["--levels", "0"], ["--max-tokens", "1"]])
 def test_experiments_cli_usage_errors(argv, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "loadtest.experiments", *argv, "--results", str(tmp_path)],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
-                            env={"LOADTEST_API_KEY": "x", "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [sys.executable, "-m", "loadtest.experiments", *argv, "--results", str(tmp_path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"LOADTEST_API_KEY": "x", "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 2
-    assert "Traceback" not in result.stderr and result.stderr.strip()
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("python -m loadtest.experiments: error: ")
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_in_flight_and_vllm_samples_are_attributed_to_their_step():
-    from loadtest.stats_math import max_overlap
-    from loadtest.step_state import StepWindow, samples_in_step
-
     # Back to back (one ends as the next starts) is one at a time; an overlap is two.
     assert max_overlap([(0.0, 1.0), (1.0, 2.0), (1.5, 2.5)]) == 2
     assert max_overlap([]) == 0

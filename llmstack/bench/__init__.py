@@ -1,0 +1,1 @@
+"""Benchmarks: measurements that print figures (thin entry points in benchmarks/)."""

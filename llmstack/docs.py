@@ -1,0 +1,164 @@
+"""The tables in README.md and docs/ that come from committed result files, generated from them.
+
+Each table sits between two marker comments that name it, its source and this command:
+
+  <!-- generated: NAME from SOURCE by `python -m llmstack.docs`; do not edit -->
+  ...
+  <!-- end generated: NAME -->
+
+  python -m llmstack.docs           # rewrite every block from its source
+  python -m llmstack.docs --check   # exit 1 naming each block that differs from its source (CI)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmstack import REPO_ROOT
+from llmstack.bench.gateway_report import md_table, memory_table
+from llmstack.bench.loadtest_fidelity import markdown_table as fidelity_table
+from llmstack.cli import StackError, main_exit, parser_from_doc
+
+PROG = "python -m llmstack.docs"
+GPU_SUMMARY = "docs/gpu-results/summary.json"
+GPU_FIDELITY = "docs/gpu-results/fidelity.json"
+BLOCK = re.compile(
+    r"(?P<head><!-- generated: (?P<name>[\w-]+) from (?P<source>\S+) by `python -m llmstack.docs`; do not edit -->\n)"
+    r"(?P<body>.*?)"
+    r"(?P<tail><!-- end generated: (?P=name) -->)",
+    re.S,
+)
+
+
+def three_figures(value: float | None) -> str:
+    """Three significant figures, thousands separated: 18.2, 114, 2.42, 3.10, 1,423."""
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:#.3g}"
+
+
+def signed(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:+.{digits}f}"
+
+
+def p50_pair(row: dict, metric: str) -> str:
+    return " / ".join(three_figures((row[path][metric] or {}).get("p50")) for path in ("direct", "gateway"))
+
+
+def h200_short(summary: dict) -> str:
+    """README's table: throughput and p50 latencies per level, both paths."""
+    rows = [
+        [
+            str(r["concurrency"]),
+            f"{r['direct']['throughput_tok_s']:,.0f}",
+            f"{r['gateway']['throughput_tok_s']:,.0f}",
+            p50_pair(r, "ttft_ms"),
+            three_figures((r["direct"]["tpot_ms"] or {}).get("p50")),
+        ]
+        for r in summary["concurrency"]
+    ]
+    return md_table(
+        ["Clients", "Direct tok/s", "Through gateway", "TTFT p50 direct / gateway (ms)", "TPOT p50 (ms)"], rows
+    )
+
+
+def h200_summary(summary: dict) -> str:
+    """docs/gpu-results.md's table: the README's, with the gateway's cost and the loader's CPU."""
+    rows = []
+    for r in summary["concurrency"]:
+        cpu = " / ".join(f"{r[path]['client_cpu_pct']:.0f}" for path in ("direct", "gateway"))
+        rows.append(
+            [
+                str(r["concurrency"]),
+                f"{r['direct']['throughput_tok_s']:,.0f}",
+                f"{r['gateway']['throughput_tok_s']:,.0f}",
+                f"{r['throughput_ratio']:.2f}",
+                p50_pair(r, "ttft_ms"),
+                signed(r.get("added_ttft_p50_ms")),
+                signed(r.get("added_ttft_p99_ms")),
+                three_figures((r["direct"]["tpot_ms"] or {}).get("p50")),
+                cpu,
+            ]
+        )
+    return md_table(
+        [
+            "Concurrency",
+            "Direct tok/s",
+            "Through gateway",
+            "Ratio",
+            "TTFT p50 direct / gateway (ms)",
+            "Added p50 (ms)",
+            "Added p99 (ms)",
+            "TPOT p50 direct (ms)",
+            "Client CPU % (direct / gateway)",
+        ],
+        rows,
+    )
+
+
+@dataclass(frozen=True)
+class Generator:
+    source: str
+    render: Callable[[object], str]
+
+
+GENERATORS: dict[str, Generator] = {
+    "h200-short": Generator(GPU_SUMMARY, lambda data: h200_short(data)),  # type: ignore[arg-type]
+    "h200-summary": Generator(GPU_SUMMARY, lambda data: h200_summary(data)),  # type: ignore[arg-type]
+    "h200-memory": Generator(GPU_SUMMARY, lambda data: memory_table(data["memory"])),  # type: ignore[index]
+    "h200-fidelity": Generator(GPU_FIDELITY, lambda data: fidelity_table(data)),  # type: ignore[arg-type]
+}
+DOCUMENTS = ("README.md", "docs/gpu-results.md", "docs/loadtest.md")
+
+
+def regenerate(text: str, root: Path = REPO_ROOT) -> str:
+    """The document with every generated block rewritten from its source."""
+
+    def replace(match: re.Match) -> str:
+        name, source = match["name"], match["source"]
+        generator = GENERATORS.get(name)
+        if generator is None:
+            raise StackError(f"unknown generated block {name!r} (known: {', '.join(GENERATORS)})")
+        if source != generator.source:
+            raise StackError(f"block {name} names {source}, but it is made from {generator.source}")
+        data = json.loads((root / source).read_text())
+        return match["head"] + generator.render(data) + "\n" + match["tail"]
+
+    return BLOCK.sub(replace, text)
+
+
+def stale_blocks(root: Path = REPO_ROOT) -> list[str]:
+    """'document: block' for each generated block that differs from what its source gives."""
+    stale = []
+    for document in DOCUMENTS:
+        text = (root / document).read_text()
+        fresh = {m["name"]: m["body"] for m in BLOCK.finditer(regenerate(text, root))}
+        stale += [f"{document}: {m['name']}" for m in BLOCK.finditer(text) if fresh[m["name"]] != m["body"]]
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = parser_from_doc(PROG, __doc__)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        stale = stale_blocks()
+        if stale:
+            raise StackError(f"generated blocks differ from their sources (run {PROG}): {', '.join(stale)}")
+        return 0
+    for document in DOCUMENTS:
+        path = REPO_ROOT / document
+        text = path.read_text()
+        fresh = regenerate(text)
+        if fresh != text:
+            path.write_text(fresh)
+            print(f"rewrote {document}")
+    return 0
+
+
+if __name__ == "__main__":
+    main_exit(PROG, main)

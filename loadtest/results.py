@@ -1,0 +1,184 @@
+"""The experiments' figures from the raw records (no Locust import, so unit tests can use it).
+
+Every percentile and spread comes from llmstack.stats; vLLM's side comes from promtext Snapshots
+taken before and after a phase.
+"""
+
+from __future__ import annotations
+
+import statistics
+import urllib.request
+
+from llmstack.promtext import MetricsFormatError, Snapshot
+from llmstack.sse import RequestRecord
+from llmstack.stats import spread
+from loadtest.step_state import StepWindow, max_overlap, samples_in_step
+
+TTFT_HISTOGRAM = "vllm:time_to_first_token_seconds"
+TPOT_HISTOGRAM = "vllm:request_time_per_output_token_seconds"
+STREAMING_KEYS = (
+    "ttft_ms",
+    "decode_ms",
+    "output_tokens",
+    "avg_interval_ms",
+    "tpot_ms",
+    "tokens_per_s",
+    "ttft_interval_ratio",
+    "e2e_ms",
+)
+
+
+def read_snapshot(url: str | None) -> Snapshot | None:
+    """vLLM's /metrics now; None when it is not configured or not reachable (the cross-check is
+    optional, the load test goes on)."""
+    if not url:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return Snapshot.from_text(response.read().decode())
+    except (OSError, MetricsFormatError):
+        return None
+
+
+def spread_ms(values: list[float]) -> dict:
+    """Spread of values in seconds, in milliseconds."""
+    return spread(values).scaled(1000).as_dict()
+
+
+def mean_ms(before: Snapshot | None, after: Snapshot | None, name: str) -> float | None:
+    if not before or not after:
+        return None
+    mean = before.histogram_mean(after, name)
+    return mean * 1000 if mean is not None else None
+
+
+def concurrency_row(
+    level: int,
+    records: list[RequestRecord],
+    max_tokens: int,
+    windows: list[StepWindow],
+    running_samples: list[tuple[float, float, float]],
+) -> dict:
+    """One level of the concurrency table from that step's records."""
+    ok = [r for r in records if r.ok]
+    running = samples_in_step(windows, running_samples, level)
+    row: dict = {
+        "concurrency": level,
+        "requests": len(records),
+        "failures": len(records) - len(ok),
+        "max_tokens": max_tokens,
+        "max_in_flight": max_overlap([(r.started, r.started + r.e2e) for r in records]),
+        "max_running_in_vllm": max(running) if running else None,
+        "running_samples_in_vllm": len(running),
+    }
+    if ok:
+        begin = min(r.started for r in ok)
+        end = max(r.started + r.e2e for r in ok)
+        tokens = sum(r.output_tokens for r in ok)
+        row.update(
+            {
+                "output_tokens": tokens,
+                "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in ok),
+                "total_time_s": end - begin,
+                "throughput_tok_s": tokens / (end - begin),
+                "avg_tps_per_request": statistics.fmean(r.tokens_per_second or 0.0 for r in ok),
+                "ttft_ms": spread_ms([r.ttft for r in ok if r.ttft is not None]),
+                "tpot_ms": spread_ms([r.tpot for r in ok if r.tpot is not None]),
+                "e2e_ms": spread_ms([r.e2e for r in ok]),
+            }
+        )
+        row.update(client_cpu([w for w in windows if w.level == level], tokens))
+    return row
+
+
+def client_cpu(windows: list[StepWindow], tokens: int) -> dict:
+    """The load generator's CPU use during a step (one process = one Locust worker's worth)."""
+    closed = [w for w in windows if w.cpu_ended is not None and w.ended is not None]
+    wall = sum((w.ended or 0.0) - w.started for w in closed)
+    cpu = sum((w.cpu_ended or 0.0) - w.cpu_started for w in closed)
+    if wall <= 0 or tokens <= 0:
+        return {}
+    return {"client_cpu_pct": cpu / wall * 100, "client_cpu_ms_per_token": cpu / tokens * 1000}
+
+
+def cross_check(before: Snapshot | None, after: Snapshot | None, records: list[RequestRecord]) -> dict:
+    """Client-side means against vLLM's own histograms over the same requests."""
+    ok = [r for r in records if r.ok]
+    client_ttft = [r.ttft for r in ok if r.ttft is not None]
+    client_tpot = [r.tpot for r in ok if r.tpot is not None]
+    return {
+        "client_ttft_mean_ms": statistics.fmean(client_ttft) * 1000 if client_ttft else None,
+        "client_tpot_mean_ms": statistics.fmean(client_tpot) * 1000 if client_tpot else None,
+        "vllm_ttft_mean_ms": mean_ms(before, after, TTFT_HISTOGRAM),
+        "vllm_tpot_mean_ms": mean_ms(before, after, TPOT_HISTOGRAM),
+        "vllm_requests": before.delta(after, TTFT_HISTOGRAM + "_count") if before and after else None,
+        "client_requests": len(ok),
+    }
+
+
+def streaming_row(record: RequestRecord) -> dict:
+    row: dict = {"ok": record.ok, "error": record.error}
+    if not record.ok:
+        return row
+    gaps = record.chunk_gaps
+    decode = record.decode_time or 0.0
+    interval = statistics.fmean(gaps) if gaps else None
+    row.update(
+        {
+            "ttft_ms": record.ttft * 1000 if record.ttft is not None else None,
+            "decode_ms": decode * 1000,
+            "output_tokens": record.output_tokens,
+            "chunks": len(record.chunk_offsets),
+            "avg_interval_ms": interval * 1000 if interval is not None else None,
+            "tpot_ms": record.tpot * 1000 if record.tpot is not None else None,
+            "tokens_per_s": (record.output_tokens - 1) / decode if decode > 0 else None,
+            "ttft_interval_ratio": (record.ttft / interval) if interval and record.ttft else None,
+            "e2e_ms": record.e2e * 1000,
+        }
+    )
+    return row
+
+
+def medians(rows: list[dict], keys: tuple[str, ...] = STREAMING_KEYS) -> dict:
+    """The median of each key over the rows that have it."""
+    result = {}
+    for key in keys:
+        values = [row[key] for row in rows if row.get(key) is not None]
+        if values:
+            result[key] = spread(values).p50
+    return result
+
+
+def streaming_result(records: list[RequestRecord], max_tokens: int) -> dict:
+    rows = [streaming_row(record) for record in records]
+    timeline = next((r.chunk_offsets for r in reversed(records) if r.ok), [])
+    return {
+        "max_tokens": max_tokens,
+        "rows": rows,
+        "median": medians([row for row in rows if row["ok"]]),
+        "timeline_s": timeline,
+    }
+
+
+def prefix_phase(records: list[RequestRecord], before: Snapshot | None, after: Snapshot | None) -> dict:
+    ok = [r for r in records if r.ok and r.ttft is not None]
+    hit_rate = None
+    if before and after and before.delta(after, "vllm:prefix_cache_queries_total") > 0:
+        hit_rate = before.delta(after, "vllm:prefix_cache_hits_total") / before.delta(
+            after, "vllm:prefix_cache_queries_total"
+        )
+    return {
+        "requests": len(records),
+        "failures": len(records) - len(ok),
+        "ttft_ms": spread_ms([r.ttft for r in ok if r.ttft is not None]),
+        "prompt_tokens": statistics.fmean(r.prompt_tokens for r in ok) if ok else None,
+        "cached_tokens_reported": sum(r.cached_tokens or 0 for r in ok),
+        "vllm_prefix_cache_hit_rate": hit_rate,
+        "vllm_ttft_mean_ms": mean_ms(before, after, TTFT_HISTOGRAM),
+    }
+
+
+def ttft_reduction_pct(phases: dict) -> float | None:
+    unique = phases["unique"]["ttft_ms"]["p50"]
+    shared = phases["shared"]["ttft_ms"]["p50"]
+    return (1 - shared / unique) * 100 if unique and shared is not None else None
