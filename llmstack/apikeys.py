@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Create, revoke and list the gateway's API keys.
 
 The keys file is an nginx map include, one `<key> <owner>;` line per key, mounted into the nginx
@@ -18,7 +17,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from llmstack import REPO_ROOT
+from llmstack.cli import UsageError, parser_from_doc
+
 DEFAULT_KEYS_FILE = "secrets/api_keys"
 HEADER = (
     "# API keys for the llm-stack gateway: one '<key> <owner>;' line per key (an nginx map include).\n"
@@ -94,14 +95,13 @@ def write_keys(path: Path, keys: list[ApiKey]) -> None:
 
 def create(path: Path, owner: str) -> str:
     if not OWNER_PATTERN.match(owner):
-        raise KeysFileError(
-            f"invalid owner name {owner!r}: use letters, digits and . _ @ - (at most 64 characters)")
+        raise KeysFileError(f"invalid owner name {owner!r}: use letters, digits and . _ @ - (at most 64 characters)")
     keys = read_keys(path)
     if any(k.owner == owner for k in keys):
         raise KeysFileError(f"owner {owner!r} already has a key; revoke it first or pick another name")
     key = new_key()
-    created = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    write_keys(path, keys + [ApiKey(key, owner, f"created {created}")])
+    created = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    write_keys(path, [*keys, ApiKey(key, owner, f"created {created}")])
     return key
 
 
@@ -136,8 +136,7 @@ def reload_gateway() -> tuple[bool, str]:
     try:
         check = subprocess.run([*nginx, "-t", "-q"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
         if check.returncode == 0:
-            reload = subprocess.run([*nginx, "-s", "reload"], cwd=REPO_ROOT, capture_output=True, text=True,
-                                    timeout=60)
+            reload = subprocess.run([*nginx, "-s", "reload"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
             if reload.returncode == 0:
                 return True, "gateway reloaded"
             check = reload
@@ -151,11 +150,13 @@ def reload_gateway() -> tuple[bool, str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--file", type=Path, default=None,
-                        help=f"keys file (default: API_KEYS_FILE from the environment or .env, "
-                             f"else {DEFAULT_KEYS_FILE})")
+    parser = parser_from_doc("apikeys.py", __doc__)
+    parser.add_argument(
+        "--file",
+        type=Path,
+        default=None,
+        help=f"keys file (default: API_KEYS_FILE from the environment or .env, else {DEFAULT_KEYS_FILE})",
+    )
     parser.add_argument("--no-reload", action="store_true", help="do not reload a running gateway")
     commands = parser.add_subparsers(dest="command", required=True)
     create_cmd = commands.add_parser("create", help="create a key for an owner and print it")
@@ -180,11 +181,9 @@ def main(argv: list[str] | None = None) -> int:
             revoke(path, args.owner)
             print(f"revoked the key of {args.owner}", file=sys.stderr)
     except KeysFileError as err:
-        print(f"apikeys: {err}", file=sys.stderr)
-        return 2
+        raise UsageError(str(err)) from None
     except OSError as err:
-        print(f"apikeys: {path}: {err.strerror}", file=sys.stderr)
-        return 2
+        raise UsageError(f"{path}: {err.strerror}") from None
     if not args.no_reload:
         reloaded, message = reload_gateway()
         print(message, file=sys.stderr)
@@ -194,4 +193,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llmstack.cli import main_exit
+
+    main_exit("apikeys.py", main)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -15,9 +13,11 @@ from pathlib import Path
 import requests
 from testcontainers.compose import DockerCompose
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from llmstack import REPO_ROOT, apikeys, promtext, secrets
+from llmstack.vllm import ComposeStack
+
 CPU_COMPOSE_FILES = ["compose.yaml", "compose.airgap.yaml", "compose.cpu.yaml"]
-KEY_OWNERS = ("alice", "bob", "burst", "streams", "loadtest")
+KEY_OWNERS = ("alice", "bob", "burst", "streams")
 # Tight limits so the tests can reach them quickly; everything else is the shipped default.
 TEST_SETTINGS = {
     "GATEWAY_BIND_ADDRESS": "127.0.0.1",
@@ -36,8 +36,13 @@ def free_port() -> int:
 
 
 class Stack:
-    def __init__(self, workdir: Path, extra_settings: dict[str, str] | None = None,
-                 services: list[str] | None = None, name: str = "llmstack-test"):
+    def __init__(
+        self,
+        workdir: Path,
+        extra_settings: dict[str, str] | None = None,
+        services: list[str] | None = None,
+        name: str = "llmstack-test",
+    ):
         self.workdir = workdir
         self.project = f"{name}-{uuid.uuid4().hex[:8]}"
         self.extra_settings = dict(extra_settings or {})
@@ -48,8 +53,15 @@ class Stack:
         services = services or [s for s in os.environ.get("LLM_STACK_SERVICES", "").split(",") if s] or None
         self.compose_files = files
         self.env_file = workdir / "stack.env"
-        self.compose = DockerCompose(REPO_ROOT, compose_file_name=files, env_file=str(self.env_file),
-                                     wait=True, build=False, pull=False, services=services)
+        self.compose = DockerCompose(
+            REPO_ROOT,
+            compose_file_name=files,
+            env_file=str(self.env_file),
+            wait=True,
+            build=False,
+            pull=False,
+            services=services,
+        )
 
     @property
     def base_url(self) -> str:
@@ -62,46 +74,32 @@ class Stack:
         return {"Authorization": f"Bearer {self.keys[owner]}"}
 
     def prepare(self) -> None:
+        """The secrets as scripts/up.sh makes them (llmstack.secrets), plus a key per test owner."""
         secrets_dir = self.workdir / "secrets"
-        secrets_dir.mkdir(mode=0o700)
-        keys_file = secrets_dir / "api_keys"
-        for owner in KEY_OWNERS:
-            # The real helper script makes the keys, as a user would.
-            result = subprocess.run(
-                [sys.executable, str(REPO_ROOT / "scripts" / "apikeys.py"), "--file", str(keys_file),
-                 "--no-reload", "create", owner], capture_output=True, text=True, check=True)
-            self.keys[owner] = result.stdout.strip()
-        hf_token = secrets_dir / "hf_token"
-        hf_token.touch(mode=0o600)
-        self.passwords = {name: secrets.token_urlsafe(16) for name in ("grafana", "prometheus", "locust")}
-        grafana_password = secrets_dir / "grafana_admin_password"
-        grafana_password.write_text(self.passwords["grafana"] + "\n")
-        htpasswd_files = {}
-        for name in ("prometheus", "locust"):
-            hashed = subprocess.run(["openssl", "passwd", "-6", "-stdin"], input=self.passwords[name],
-                                    capture_output=True, text=True, check=True).stdout.strip()
-            htpasswd_files[name] = secrets_dir / f"{name}_htpasswd"
-            htpasswd_files[name].write_text(f"admin:{hashed}\n")
-        loadtest_key = secrets_dir / "loadtest_api_key"
-        loadtest_key.write_text(self.keys["loadtest"] + "\n")
-        for secret in (grafana_password, loadtest_key, *htpasswd_files.values()):
-            secret.chmod(0o644)  # read by non-root users inside the containers; the folder is 700
+        settings = {secret.setting: str(secrets_dir / secret.name) for secret in secrets.compose_secrets()}
+        paths = secrets.secret_paths(settings)
+        created = secrets.ensure_secrets(paths)
+        assert created.loadtest_key and created.passwords is not None
+        self.keys = {owner: apikeys.create(paths["api_keys"], owner) for owner in KEY_OWNERS}
+        self.keys["loadtest"] = created.loadtest_key
+        self.passwords = {name.split("_")[0]: password for name, password in created.passwords.items()}
         models = self.workdir / "models"
         models.mkdir()
         # The project name travels in the env file, so every compose command of this stack uses it.
-        settings = {"COMPOSE_PROJECT_NAME": self.project, "API_KEYS_FILE": str(keys_file), "HF_TOKEN_FILE": str(hf_token),
-                    "GRAFANA_ADMIN_PASSWORD_FILE": str(grafana_password),
-                    "PROMETHEUS_HTPASSWD_FILE": str(htpasswd_files["prometheus"]),
-                    "LOCUST_HTPASSWD_FILE": str(htpasswd_files["locust"]),
-                    "LOADTEST_API_KEY_FILE": str(loadtest_key),
-                    "MODELS_DIR": str(models), "GATEWAY_PORT": str(self.port), **TEST_SETTINGS,
-                    **self.extra_settings}
+        settings |= {
+            "COMPOSE_PROJECT_NAME": self.project,
+            "MODELS_DIR": str(models),
+            "GATEWAY_PORT": str(self.port),
+            **TEST_SETTINGS,
+            **self.extra_settings,
+        }
         self.env_file.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
 
     def compose_command(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
         command = [*self.compose.compose_command_property, *args]
-        return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=check,
-                              timeout=timeout, env=self.environment())
+        return subprocess.run(
+            command, cwd=REPO_ROOT, capture_output=True, text=True, check=check, timeout=timeout, env=self.environment()
+        )
 
     def environment(self) -> dict[str, str]:
         return {**os.environ, "COMPOSE_PROJECT_NAME": self.project}
@@ -122,22 +120,21 @@ class Stack:
     def exec(self, service: str, *command: str, timeout: float = 60) -> str:
         return self.compose_command("exec", "-T", service, *command, timeout=timeout).stdout
 
+    @property
+    def vllm(self) -> ComposeStack:
+        """vLLM inside this stack, reached as the lab scripts reach it (llmstack.vllm)."""
+        return ComposeStack(project_name=self.project, compose_files=self.compose_files, env_file=str(self.env_file))
+
     def vllm_get(self, path: str) -> str:
         """GET a path on vLLM directly, from inside its container (its port is not published)."""
-        script = ("import sys, urllib.request; "
-                  f"sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:8000{path}', timeout=10).read().decode())")
-        return self.exec("vllm", "python3", "-c", script)
+        return self.vllm.get(path)
 
     def vllm_metric(self, name: str) -> float:
         """Sum of a vLLM metric's samples (all label sets)."""
-        total, seen = 0.0, False
-        for line in self.vllm_get("/metrics").splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
-                seen = True
-        if not seen:
+        value = promtext.total(self.vllm.metrics(), name)
+        if value is None:
             raise KeyError(f"vLLM exports no metric {name}")
-        return total
+        return value
 
     def locust_swarm(self, user_classes: list[str], users: int, seconds: float) -> dict:
         """A load test started and stopped in Locust's web UI, through nginx with its login, as a
@@ -155,8 +152,13 @@ class Stack:
             raise AssertionError(f"Locust still '{state}' a minute after the stop")
 
         wait_until_idle()
-        form = [("user_count", str(users)), ("spawn_rate", str(users)), ("host", "http://nginx:8080"),
-                ("shape_class", "Default"), *(("user_classes", name) for name in user_classes)]
+        form = [
+            ("user_count", str(users)),
+            ("spawn_rate", str(users)),
+            ("host", "http://nginx:8080"),
+            ("shape_class", "Default"),
+            *(("user_classes", name) for name in user_classes),
+        ]
         started = requests.post(self.url("/locust/swarm"), data=form, auth=auth, timeout=30)
         started.raise_for_status()
         assert started.json()["success"], started.text

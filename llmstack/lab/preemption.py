@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """What happens when concurrency exceeds the KV cache: queueing, preemption, and longer TTFT.
 
 Sends a baseline of single requests, then a burst of concurrent long streamed requests through the
@@ -14,26 +13,47 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from latency import DEFAULT_BASE_URL, LONG_PROMPT, Client, measure
-from lablib import (ComposeStack, HostVllm, ScriptArgumentParser, StackError, UsageError,
-                    add_stack_arguments, cache_config_labels, label_number, load_pyplot, metric_sum,
-                    progress, results_path, run_main, save_chart, stack_from_args, write_json)
+from llmstack import promtext
+from llmstack.cli import (
+    StackError,
+    UsageError,
+    add_output_arguments,
+    load_pyplot,
+    parser_from_doc,
+    progress,
+    results_path,
+    save_chart,
+    write_json,
+)
+from llmstack.lab.latency import DEFAULT_BASE_URL, LONG_PROMPT, measure
+from llmstack.sse import ApiClient
+from llmstack.stats import percentile, spread
+from llmstack.vllm import (
+    ComposeStack,
+    HostVllm,
+    add_stack_arguments,
+    cache_config_labels,
+    label_number,
+    stack_from_args,
+)
 
-SCHEDULER_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                     "vllm:num_preemptions_total")
+SCHEDULER_METRICS = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions_total",
+)
 
 
 class MetricsPoller(threading.Thread):
     """Polls vLLM's scheduler gauges until stopped; each poll is one `docker compose exec`."""
 
-    def __init__(self, stack: ComposeStack, interval: float, max_polls: int):
+    def __init__(self, stack: ComposeStack | HostVllm, interval: float, max_polls: int):
         super().__init__(daemon=True)
         self.stack, self.interval, self.max_polls = stack, interval, max_polls
         self.samples: list[dict] = []
@@ -50,20 +70,26 @@ class MetricsPoller(threading.Thread):
             except StackError as err:
                 self.error = str(err)
                 return
-            row = {"t": time.perf_counter() - self.start_time}
+            row: dict[str, float | None] = {"t": time.perf_counter() - self.start_time}
             for name in SCHEDULER_METRICS:
-                row[name.split(":", 1)[1]] = metric_sum(samples, name)
+                row[name.split(":", 1)[1]] = promtext.total(samples, name)
             self.samples.append(row)
             self.stopped.wait(self.interval)
 
 
-def burst_request(client: Client, model: str, prompt: str, max_tokens: int, start: float, index: int) -> dict:
+def burst_request(client: ApiClient, model: str, prompt: str, max_tokens: int, start: float, index: int) -> dict:
     sent = time.perf_counter()
     try:
         sample = measure(client, model, f"burst-{index}", prompt, max_tokens)
-        return {"index": index, "completed": True, "sent_s": sent - start, "ttft_ms": sample.ttft_ms,
-                "total_ms": sample.total_ms, "input_tokens": sample.input_tokens,
-                "output_tokens": sample.output_tokens}
+        return {
+            "index": index,
+            "completed": True,
+            "sent_s": sent - start,
+            "ttft_ms": sample.ttft_ms,
+            "total_ms": sample.total_ms,
+            "input_tokens": sample.input_tokens,
+            "output_tokens": sample.output_tokens,
+        }
     except StackError as err:
         return {"index": index, "completed": False, "sent_s": sent - start, "error": str(err)}
 
@@ -85,36 +111,48 @@ def chart(report: dict, path: Path) -> None:
     done = [r for r in report["burst"] if r["completed"]]
     bottom.bar([r["index"] for r in done], [r["ttft_ms"] for r in done], label="TTFT in the burst")
     if report["baseline_ttft_ms"]:
-        bottom.axhline(report["baseline_ttft_ms"]["median"], color="red", linestyle="--",
-                       label=f"TTFT alone (median {report['baseline_ttft_ms']['median']:.0f} ms)")
+        bottom.axhline(
+            report["baseline_ttft_ms"]["p50"],
+            color="red",
+            linestyle="--",
+            label=f"TTFT alone (median {report['baseline_ttft_ms']['p50']:.0f} ms)",
+        )
     bottom.set_yscale("log")
     bottom.set_xlabel("request")
     bottom.set_ylabel("TTFT (ms)")
     bottom.legend(fontsize=8)
-    fig.suptitle(f"{report['model']}: {report['concurrency']} concurrent requests, KV capacity "
-                 f"{report['kv_capacity_tokens']:,} tokens")
+    fig.suptitle(
+        f"{report['model']}: {report['concurrency']} concurrent requests, KV capacity "
+        f"{report['kv_capacity_tokens']:,} tokens"
+    )
     save_chart(plt, fig, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = ScriptArgumentParser(prog="preemption.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", default=os.environ.get("LLM_STACK_BASE_URL", DEFAULT_BASE_URL),
-                        help="the gateway (default: LLM_STACK_BASE_URL or %(default)s)")
-    parser.add_argument("--api-key", default=os.environ.get("LLM_STACK_API_KEY"),
-                        help="API key (default: LLM_STACK_API_KEY); its per-key concurrency limit must allow "
-                             "--concurrency")
+    parser = parser_from_doc("preemption.py", __doc__)
+    parser.add_argument(
+        "--base-url",
+        default=os.environ.get("LLM_STACK_BASE_URL", DEFAULT_BASE_URL),
+        help="the gateway (default: LLM_STACK_BASE_URL or %(default)s)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("LLM_STACK_API_KEY"),
+        help="API key (default: LLM_STACK_API_KEY); its per-key concurrency limit must allow --concurrency",
+    )
     parser.add_argument("--concurrency", type=int, default=12, help="requests in the burst (default: %(default)s)")
-    parser.add_argument("--prompt-repeats", type=int, default=4,
-                        help="the lab's long prompt repeated this many times (default: %(default)s)")
+    parser.add_argument(
+        "--prompt-repeats",
+        type=int,
+        default=4,
+        help="the lab's long prompt repeated this many times (default: %(default)s)",
+    )
     parser.add_argument("--max-tokens", type=int, default=400, help="output tokens per request (default: %(default)s)")
     parser.add_argument("--baseline-runs", type=int, default=3, help="single requests first (default: %(default)s)")
     parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between metric polls")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per request (default: %(default)s)")
     add_stack_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
-    parser.add_argument("--output", type=Path, help="also save the JSON here (default: results/preemption.json)")
-    parser.add_argument("--chart", type=Path, help="PNG path (default: results/preemption.png)")
-    parser.add_argument("--no-chart", action="store_true")
+    add_output_arguments(parser, "preemption")
     args = parser.parse_args(argv)
     if not 1 <= args.concurrency <= 256:
         raise UsageError("--concurrency must be between 1 and 256")
@@ -123,15 +161,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def spread(values: list[float]) -> dict | None:
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+def summary(values: list[float]) -> dict | None:
+    """Median and range (llmstack.stats) of the TTFTs, None when no request completed."""
+    return spread(values).as_dict() if values else None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    client = Client(args.base_url, args.api_key, args.timeout)
+    client = ApiClient(args.base_url, args.api_key, args.timeout)
     stack = stack_from_args(args)
     models = client.models()
     if not models:
@@ -143,23 +180,27 @@ def main(argv: list[str] | None = None) -> int:
     block_size = int(label_number(labels, "block_size") or 0)
     blocks = int(label_number(labels, "num_gpu_blocks") or 0)
     capacity = int(label_number(labels, "kv_cache_size_tokens") or blocks * block_size)
-    preemptions_before = metric_sum(before, "vllm:num_preemptions_total") or 0.0
+    preemptions_before = promtext.total(before, "vllm:num_preemptions_total") or 0.0
     prompt = " ".join([LONG_PROMPT] * args.prompt_repeats)
 
     baseline = []
     for i in range(args.baseline_runs):
         progress(f"baseline: single request {i + 1}/{args.baseline_runs}")
         baseline.append(measure(client, model, "alone", prompt, args.max_tokens))
-    per_request = int(statistics.median(s.input_tokens for s in baseline)) + args.max_tokens
+    per_request = int(percentile([s.input_tokens for s in baseline], 50) or 0) + args.max_tokens
 
-    progress(f"burst: {args.concurrency} concurrent requests of ~{per_request} tokens "
-             f"(demand {per_request * args.concurrency:,} tokens, capacity {capacity:,}) ...")
+    progress(
+        f"burst: {args.concurrency} concurrent requests of ~{per_request} tokens "
+        f"(demand {per_request * args.concurrency:,} tokens, capacity {capacity:,}) ..."
+    )
     poller = MetricsPoller(stack, args.poll_interval, max_polls=int(args.timeout / args.poll_interval) + 10)
     poller.start()
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-        futures = [pool.submit(burst_request, client, model, prompt, args.max_tokens, start, i)
-                   for i in range(args.concurrency)]
+        futures = [
+            pool.submit(burst_request, client, model, prompt, args.max_tokens, start, i)
+            for i in range(args.concurrency)
+        ]
         burst = []
         for future in futures:
             burst.append(future.result())
@@ -168,21 +209,30 @@ def main(argv: list[str] | None = None) -> int:
     poller.stopped.set()
     poller.join(timeout=30)
     after = stack.metrics()
-    preemptions = (metric_sum(after, "vllm:num_preemptions_total") or 0.0) - preemptions_before
+    preemptions = (promtext.total(after, "vllm:num_preemptions_total") or 0.0) - preemptions_before
 
     completed = [r for r in burst if r["completed"]]
     timeline = poller.samples
     report = {
-        "base_url": args.base_url, "model": model, "concurrency": args.concurrency,
-        "kv_block_size": block_size, "kv_blocks": blocks, "kv_capacity_tokens": capacity,
-        "tokens_per_request": per_request, "demand_tokens": per_request * args.concurrency,
-        "preemptions": int(preemptions), "completed": len(completed), "failed": len(burst) - len(completed),
+        "base_url": args.base_url,
+        "model": model,
+        "concurrency": args.concurrency,
+        "kv_block_size": block_size,
+        "kv_blocks": blocks,
+        "kv_capacity_tokens": capacity,
+        "tokens_per_request": per_request,
+        "demand_tokens": per_request * args.concurrency,
+        "preemptions": int(preemptions),
+        "completed": len(completed),
+        "failed": len(burst) - len(completed),
         "max_running": max((p["num_requests_running"] or 0 for p in timeline), default=None),
         "max_waiting": max((p["num_requests_waiting"] or 0 for p in timeline), default=None),
         "max_kv_cache_usage": max((p["kv_cache_usage_perc"] or 0 for p in timeline), default=None),
-        "baseline_ttft_ms": spread([s.ttft_ms for s in baseline]),
-        "burst_ttft_ms": spread([r["ttft_ms"] for r in completed]),
-        "burst_seconds": burst_seconds, "burst": burst, "metrics_timeline": timeline,
+        "baseline_ttft_ms": summary([s.ttft_ms for s in baseline]),
+        "burst_ttft_ms": summary([r["ttft_ms"] for r in completed]),
+        "burst_seconds": burst_seconds,
+        "burst": burst,
+        "metrics_timeline": timeline,
         "poll_error": poller.error,
     }
     if not args.no_chart:
@@ -200,28 +250,35 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_report(r: dict) -> None:
-    print(f"Model {r['model']}: KV cache {r['kv_blocks']:,} blocks x {r['kv_block_size']} = "
-          f"{r['kv_capacity_tokens']:,} tokens")
-    print(f"Burst: {r['concurrency']} requests x ~{r['tokens_per_request']:,} tokens = {r['demand_tokens']:,} "
-          f"tokens demanded ({r['demand_tokens'] / max(r['kv_capacity_tokens'], 1):.1f}x the cache)\n")
-    print(f"Completed:               {r['completed']}/{r['concurrency']}" + (f"  ({r['failed']} FAILED)" if r["failed"] else ""))
+    print(
+        f"Model {r['model']}: KV cache {r['kv_blocks']:,} blocks x {r['kv_block_size']} = "
+        f"{r['kv_capacity_tokens']:,} tokens"
+    )
+    print(
+        f"Burst: {r['concurrency']} requests x ~{r['tokens_per_request']:,} tokens = {r['demand_tokens']:,} "
+        f"tokens demanded ({r['demand_tokens'] / max(r['kv_capacity_tokens'], 1):.1f}x the cache)\n"
+    )
+    print(
+        f"Completed:               {r['completed']}/{r['concurrency']}"
+        + (f"  ({r['failed']} FAILED)" if r["failed"] else "")
+    )
     print(f"Preemptions (vllm:num_preemptions_total rose by): {r['preemptions']}")
     if r["max_running"] is not None:
-        print(f"Most running at once:    {r['max_running']:.0f}    most waiting: {r['max_waiting']:.0f}    "
-              f"peak KV cache usage: {100 * r['max_kv_cache_usage']:.0f} %")
+        print(
+            f"Most running at once:    {r['max_running']:.0f}    most waiting: {r['max_waiting']:.0f}    "
+            f"peak KV cache usage: {100 * r['max_kv_cache_usage']:.0f} %"
+        )
     if r["poll_error"]:
         print(f"(metric polling stopped: {r['poll_error']})")
     b, c = r["baseline_ttft_ms"], r["burst_ttft_ms"]
-    print(f"TTFT alone:              median {b['median']:.0f} ms [{b['min']:.0f}-{b['max']:.0f}]")
+    print(f"TTFT alone:              median {b['p50']:.0f} ms [{b['min']:.0f}-{b['max']:.0f}]")
     if c:
-        print(f"TTFT in the burst:       median {c['median']:.0f} ms [{c['min']:.0f}-{c['max']:.0f}] "
-              f"({c['median'] / b['median']:.1f}x alone)")
+        print(
+            f"TTFT in the burst:       median {c['p50']:.0f} ms [{c['min']:.0f}-{c['max']:.0f}] "
+            f"({c['p50'] / b['p50']:.1f}x alone)"
+        )
     print(f"Burst took {r['burst_seconds']:.1f} s")
     if not r["preemptions"]:
         print("No preemption: the KV cache held the burst. Shrink it (docs/preemption.md) or raise --concurrency.")
     if r.get("chart"):
         print(f"\nChart: {r['chart']}")
-
-
-if __name__ == "__main__":
-    sys.exit(run_main("preemption.py", main))

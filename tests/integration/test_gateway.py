@@ -18,12 +18,34 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-qwen3"
 # vLLM's own routes that must never be reachable through the gateway, plain and disguised.
 BLOCKED_PATHS = [
-    "/", "/metrics", "/health", "/ping", "/version", "/load", "/docs", "/openapi.json",
-    "/tokenize", "/detokenize", "/server_info", "/reset_prefix_cache", "/sleep", "/wake_up",
-    "/collective_rpc", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/embeddings",
-    "/v1/models/../../metrics", "/%6Detrics", "/%2Fmetrics", "/v1/%2e%2e/metrics",
-    "/v1/completions/../../health", "/v1/chat/completions/", "/v1/models%2F..%2F..%2Fmetrics",
-    "/V1/MODELS", "/v1//../metrics", "/v1/completions;/metrics",
+    "/",
+    "/metrics",
+    "/health",
+    "/ping",
+    "/version",
+    "/load",
+    "/docs",
+    "/openapi.json",
+    "/tokenize",
+    "/detokenize",
+    "/server_info",
+    "/reset_prefix_cache",
+    "/sleep",
+    "/wake_up",
+    "/collective_rpc",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/v1/embeddings",
+    "/v1/models/../../metrics",
+    "/%6Detrics",
+    "/%2Fmetrics",
+    "/v1/%2e%2e/metrics",
+    "/v1/completions/../../health",
+    "/v1/chat/completions/",
+    "/v1/models%2F..%2F..%2Fmetrics",
+    "/V1/MODELS",
+    "/v1//../metrics",
+    "/v1/completions;/metrics",
 ]
 
 
@@ -73,12 +95,18 @@ def test_good_key_lists_the_model(stack):
 def test_official_openai_client_works_through_the_gateway(stack):
     client = openai.OpenAI(base_url=stack.url("/v1"), api_key=stack.keys["alice"], max_retries=0)
     completion = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=6,
-        extra_body={"ignore_eos": True})
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=6, extra_body={"ignore_eos": True}
+    )
     assert completion.usage.completion_tokens == 6
     assert completion.choices[0].message.content
-    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, stream=True,
-                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[-1].usage.completion_tokens == 5
     with pytest.raises(openai.AuthenticationError):
@@ -101,8 +129,9 @@ def test_blocked_routes_never_reach_vllm(stack):
     for path in ["/metrics", "/%6Detrics", "/v1/completions/../../health", "/server_info"]:
         raw = raw_request(stack.port, f"GET {path} HTTP/1.1\r\nAuthorization: Bearer {stack.keys['alice']}")
         head = raw.partition(b"\r\n\r\n")[0].decode()
-        request_ids.append(next(line.split(": ", 1)[1] for line in head.split("\r\n")
-                                if line.lower().startswith("x-request-id:")))
+        request_ids.append(
+            next(line.split(": ", 1)[1] for line in head.split("\r\n") if line.lower().startswith("x-request-id:"))
+        )
     time.sleep(1)
     log = {entry["request_id"]: entry for entry in stack.nginx_access_log()}
     for request_id in request_ids:
@@ -119,8 +148,12 @@ def test_wrong_method_is_405_json(stack):
 
 def test_oversized_body_is_413_json(stack):
     big_prompt = "word " * 20000  # 100 KB, over the test stack's 64k limit
-    response = requests.post(stack.url("/v1/completions"), headers=stack.auth(),
-                             json={"model": MODEL, "prompt": big_prompt, "max_tokens": 1}, timeout=30)
+    response = requests.post(
+        stack.url("/v1/completions"),
+        headers=stack.auth(),
+        json={"model": MODEL, "prompt": big_prompt, "max_tokens": 1},
+        timeout=30,
+    )
     assert response.status_code == 413
     assert error_body(response)["code"] == "request_too_large"
 
@@ -138,14 +171,24 @@ def raw_exchange(port: int, data: bytes) -> tuple[int, dict, bytes]:
     return int(lines[0].split()[1]), headers, body
 
 
-@pytest.mark.parametrize("data, status, code", [
-    (b"GARBAGE\r\n\r\n", 400, "bad_request"),
-    (b"GET /v1/models?" + b"q" * 10_000 + b" HTTP/1.1\r\nHost: localhost\r\n\r\n", 414, "uri_too_long"),
-    (b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"b" * 20_000 + b"\r\n\r\n",
-     431, "headers_too_large"),
-    (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: gzip\r\n\r\n",
-     501, "not_implemented"),
-], ids=["bad-request-line", "10kb-url", "20kb-header", "unknown-transfer-encoding"])
+@pytest.mark.parametrize(
+    "data, status, code",
+    [
+        (b"GARBAGE\r\n\r\n", 400, "bad_request"),
+        (b"GET /v1/models?" + b"q" * 10_000 + b" HTTP/1.1\r\nHost: localhost\r\n\r\n", 414, "uri_too_long"),
+        (
+            b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"b" * 20_000 + b"\r\n\r\n",
+            431,
+            "headers_too_large",
+        ),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: gzip\r\n\r\n",
+            501,
+            "not_implemented",
+        ),
+    ],
+    ids=["bad-request-line", "10kb-url", "20kb-header", "unknown-transfer-encoding"],
+)
 def test_malformed_requests_get_json_errors(stack, data, status, code):
     """Errors nginx raises before it knows the route are JSON too, never its HTML pages."""
     answered, headers, body = raw_exchange(stack.port, data)
@@ -157,29 +200,42 @@ def test_malformed_requests_get_json_errors(stack, data, status, code):
 def test_vllm_errors_pass_through_unchanged(stack):
     payload = {"model": MODEL, "prompt": "hi", "max_tokens": -5}
     through_gateway = requests.post(stack.url("/v1/completions"), headers=stack.auth(), json=payload, timeout=30)
-    script = ("import json, urllib.request, urllib.error\n"
-              "req = urllib.request.Request('http://127.0.0.1:8000/v1/completions', "
-              f"data=json.dumps({payload!r}).encode(), headers={{'Content-Type': 'application/json'}})\n"
-              "try:\n    urllib.request.urlopen(req)\n"
-              "except urllib.error.HTTPError as e:\n    print(e.code); print(e.read().decode())\n")
+    script = (
+        "import json, urllib.request, urllib.error\n"
+        "req = urllib.request.Request('http://127.0.0.1:8000/v1/completions', "
+        f"data=json.dumps({payload!r}).encode(), headers={{'Content-Type': 'application/json'}})\n"
+        "try:\n    urllib.request.urlopen(req)\n"
+        "except urllib.error.HTTPError as e:\n    print(e.code); print(e.read().decode())\n"
+    )
     direct_status, direct_body = stack.exec("vllm", "python3", "-c", script).split("\n", 1)
     assert through_gateway.status_code == int(direct_status) == 400
     assert through_gateway.json() == json.loads(direct_body)
     assert "max_tokens" in through_gateway.text
 
-    unknown_model = requests.post(stack.url("/v1/completions"), headers=stack.auth(),
-                                  json={"model": "no-such-model", "prompt": "hi", "max_tokens": 1}, timeout=30)
+    unknown_model = requests.post(
+        stack.url("/v1/completions"),
+        headers=stack.auth(),
+        json={"model": "no-such-model", "prompt": "hi", "max_tokens": 1},
+        timeout=30,
+    )
     assert unknown_model.status_code == 404
     assert unknown_model.json()["error"]["message"] != "Not found."  # vLLM's own message, not nginx's
 
 
 def test_streaming_arrives_token_by_token(stack):
-    payload = {"model": MODEL, "prompt": "Count with me:", "max_tokens": 60, "stream": True, "ignore_eos": True,
-               "stream_options": {"include_usage": True}}
+    payload = {
+        "model": MODEL,
+        "prompt": "Count with me:",
+        "max_tokens": 60,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     started = time.perf_counter()
     arrivals, events = [], []
-    with requests.post(stack.url("/v1/completions"), headers=stack.auth(), json=payload, stream=True,
-                       timeout=60) as response:
+    with requests.post(
+        stack.url("/v1/completions"), headers=stack.auth(), json=payload, stream=True, timeout=60
+    ) as response:
         assert response.status_code == 200
         assert response.headers["Content-Type"].startswith("text/event-stream")
         assert "Content-Encoding" not in response.headers
@@ -189,7 +245,7 @@ def test_streaming_arrives_token_by_token(stack):
     text = "".join(events)
     data_lines = [line for line in text.splitlines() if line.startswith("data: ")]
     assert data_lines[-1] == "data: [DONE]"
-    usage = json.loads(data_lines[-2][len("data: "):])["usage"]
+    usage = json.loads(data_lines[-2][len("data: ") :])["usage"]
     assert usage["completion_tokens"] == 60
     # Unbuffered: many separate network reads, spread over the generation, not one blob at the end.
     assert len(arrivals) >= 10, len(arrivals)
@@ -199,8 +255,9 @@ def test_streaming_arrives_token_by_token(stack):
 def test_client_disconnect_stops_generation(stack):
     generated_before = stack.vllm_metric("vllm:generation_tokens_total")
     payload = {"model": MODEL, "prompt": "Tell a long story", "max_tokens": 3500, "stream": True, "ignore_eos": True}
-    with requests.post(stack.url("/v1/completions"), headers=stack.auth(), json=payload, stream=True,
-                       timeout=60) as response:
+    with requests.post(
+        stack.url("/v1/completions"), headers=stack.auth(), json=payload, stream=True, timeout=60
+    ) as response:
         lines = response.iter_lines()
         for _ in range(5):
             next(lines)
@@ -237,8 +294,9 @@ def test_concurrent_request_limit_per_key(stack):
     open_streams, readers = [], []
     try:
         for _ in range(limit):
-            response = requests.post(stack.url("/v1/completions"), headers=stack.auth("streams"), json=payload,
-                                     stream=True, timeout=60)
+            response = requests.post(
+                stack.url("/v1/completions"), headers=stack.auth("streams"), json=payload, stream=True, timeout=60
+            )
             assert response.status_code == 200
             open_streams.append(response)
             # Keep the reader: a discarded line iterator closes its connection when collected.
@@ -263,8 +321,14 @@ def test_access_log_is_json_without_keys(stack):
     served = [e for e in entries if e["key_owner"] == "alice" and e["route"] == "/v1/chat/completions"]
     assert served
     entry = served[-1]
-    for field in ("request_time", "upstream_connect_time", "upstream_header_time", "upstream_response_time",
-                  "bytes_sent", "status"):
+    for field in (
+        "request_time",
+        "upstream_connect_time",
+        "upstream_header_time",
+        "upstream_response_time",
+        "bytes_sent",
+        "status",
+    ):
         assert field in entry
     assert entry["status"] == 200 and float(entry["upstream_header_time"]) >= 0
     assert any(e["status"] == 401 and e["key_owner"] == "" for e in entries)
@@ -280,9 +344,14 @@ def test_keys_created_and_revoked_with_the_helper_take_effect_at_once(stack):
     keys_file = stack.workdir / "secrets" / "api_keys"
 
     def apikeys(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "apikeys.py"), "--file", str(keys_file),
-                               *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-                              env=stack.user_environment())
+        return subprocess.run(
+            [sys.executable, str(REPO_ROOT / "scripts" / "apikeys.py"), "--file", str(keys_file), *args],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=stack.user_environment(),
+        )
 
     def status_with(key: str) -> int:
         return requests.get(stack.url("/v1/models"), headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from stack import Stack
+
+from llmstack.vllm import cache_config_labels
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO_ROOT / "scripts"
@@ -25,8 +26,9 @@ SMALL_CACHE_SETTINGS = {
 
 
 def run_script(name: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO_ROOT)
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT
+    )
 
 
 def stack_options(stack: Stack) -> list[str]:
@@ -37,14 +39,14 @@ def stack_options(stack: Stack) -> list[str]:
 
 
 def cache_config(stack: Stack) -> dict[str, str]:
-    from lablib import cache_config_labels, parse_prometheus
-    return cache_config_labels(parse_prometheus(stack.vllm_get("/metrics")))
+    return cache_config_labels(stack.vllm.metrics())
 
 
 def test_memory_report(stack, tmp_path):
     chart = tmp_path / "memory.png"
-    result = run_script("memory_report.py", *stack_options(stack), "--json", "--output", str(tmp_path / "m.json"),
-                        "--chart", str(chart))
+    result = run_script(
+        "memory_report.py", *stack_options(stack), "--json", "--output", str(tmp_path / "m.json"), "--chart", str(chart)
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     labels = cache_config(stack)
@@ -63,8 +65,9 @@ def test_memory_report(stack, tmp_path):
 
 
 def test_kv_planner_predicts_what_vllm_reports(stack, tmp_path):
-    result = run_script("kv_planner.py", "--check-stack", *stack_options(stack), "--json",
-                        "--output", str(tmp_path / "check.json"))
+    result = run_script(
+        "kv_planner.py", "--check-stack", *stack_options(stack), "--json", "--output", str(tmp_path / "check.json")
+    )
     assert result.returncode == 0, result.stderr
     check = json.loads(result.stdout)["cross_check"]
     assert check["reported_tokens"] == int(float(cache_config(stack)["kv_cache_size_tokens"]))
@@ -76,17 +79,35 @@ def test_kv_planner_predicts_what_vllm_reports(stack, tmp_path):
     config = tmp_path / "config.json"
     config.write_text(stack.exec("vllm", "cat", "/opt/models/tiny-qwen3/config.json"))
     space = stack.exec("vllm", "printenv", "VLLM_CPU_KVCACHE_SPACE").strip()
-    planned = run_script("kv_planner.py", str(config), "--kv-space-gib", space, "--json",
-                         "--output", str(tmp_path / "plan.json"))
+    planned = run_script(
+        "kv_planner.py", str(config), "--kv-space-gib", space, "--json", "--output", str(tmp_path / "plan.json")
+    )
     assert planned.returncode == 0, planned.stderr
     assert json.loads(planned.stdout)["rows"][0]["tokens"] == check["reported_tokens"]
 
 
 def test_latency(stack, tmp_path):
     chart = tmp_path / "latency.png"
-    result = run_script("latency.py", "--base-url", stack.base_url, "--api-key", stack.keys["alice"],
-                        "--runs", "3", "--warmup", "1", "--max-tokens", "20", "--sweep", "1,8",
-                        "--json", "--output", str(tmp_path / "l.json"), "--chart", str(chart))
+    result = run_script(
+        "latency.py",
+        "--base-url",
+        stack.base_url,
+        "--api-key",
+        stack.keys["alice"],
+        "--runs",
+        "3",
+        "--warmup",
+        "1",
+        "--max-tokens",
+        "20",
+        "--sweep",
+        "1,8",
+        "--json",
+        "--output",
+        str(tmp_path / "l.json"),
+        "--chart",
+        str(chart),
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     short, long = report["results"]
@@ -94,8 +115,8 @@ def test_latency(stack, tmp_path):
     assert long["input_tokens"] > short["input_tokens"] > 0
     for row in report["results"] + report["sweep"]:
         assert row["runs"] == 3 and row["output_tokens"] == 20  # ignore_eos: exactly max_tokens
-        assert 0 < row["ttft_ms"]["min"] <= row["ttft_ms"]["median"] <= row["ttft_ms"]["max"]
-        assert row["total_ms"]["median"] >= row["ttft_ms"]["median"]
+        assert 0 < row["ttft_ms"]["min"] <= row["ttft_ms"]["p50"] <= row["ttft_ms"]["max"]
+        assert row["total_ms"]["p50"] >= row["ttft_ms"]["p50"]
     assert [s["input_tokens"] for s in report["sweep"]] == sorted(s["input_tokens"] for s in report["sweep"])
     assert chart.read_bytes()[:8] == PNG_MAGIC
     assert "[DONE]" not in result.stderr and "Short: run 3/3" in result.stderr  # progress on stderr
@@ -105,8 +126,9 @@ def test_lab_scripts_fail_cleanly(stack, tmp_path):
     wrong_key = run_script("latency.py", "--base-url", stack.base_url, "--api-key", "sk-wrong", "--runs", "1")
     assert wrong_key.returncode == 1
     assert "401" in wrong_key.stderr and len(wrong_key.stderr.strip().splitlines()) == 1
-    no_stack = run_script("memory_report.py", "--project-name", f"{stack.project}-absent",
-                          "--env-file", str(stack.env_file), "--no-chart")
+    no_stack = run_script(
+        "memory_report.py", "--project-name", f"{stack.project}-absent", "--env-file", str(stack.env_file), "--no-chart"
+    )
     assert no_stack.returncode == 1 and len(no_stack.stderr.strip().splitlines()) <= 4
     assert "Traceback" not in no_stack.stderr
     bad_args = run_script("latency.py", "--runs", "0")
@@ -116,8 +138,12 @@ def test_lab_scripts_fail_cleanly(stack, tmp_path):
 @pytest.fixture(scope="module")
 def small_cache_stack(tmp_path_factory):
     """The CPU stack with a deliberately small KV cache; vLLM and the gateway only."""
-    stack = Stack(tmp_path_factory.mktemp("small-cache-stack"), extra_settings=SMALL_CACHE_SETTINGS,
-                  services=["vllm", "nginx"], name="llmstack-preempt")
+    stack = Stack(
+        tmp_path_factory.mktemp("small-cache-stack"),
+        extra_settings=SMALL_CACHE_SETTINGS,
+        services=["vllm", "nginx"],
+        name="llmstack-preempt",
+    )
     try:
         stack.start()
         yield stack
@@ -130,10 +156,27 @@ def test_preemption_when_concurrency_exceeds_the_kv_cache(small_cache_stack, tmp
     labels = cache_config(stack)
     assert labels["num_gpu_blocks_override"] == "24"
     before = stack.vllm_metric("vllm:num_preemptions_total")
-    result = run_script("preemption.py", "--base-url", stack.base_url, "--api-key", stack.keys["alice"],
-                        *stack_options(stack), "--concurrency", "12", "--prompt-repeats", "4", "--max-tokens", "400",
-                        "--baseline-runs", "2", "--json", "--output", str(tmp_path / "p.json"),
-                        "--chart", str(tmp_path / "p.png"))
+    result = run_script(
+        "preemption.py",
+        "--base-url",
+        stack.base_url,
+        "--api-key",
+        stack.keys["alice"],
+        *stack_options(stack),
+        "--concurrency",
+        "12",
+        "--prompt-repeats",
+        "4",
+        "--max-tokens",
+        "400",
+        "--baseline-runs",
+        "2",
+        "--json",
+        "--output",
+        str(tmp_path / "p.json"),
+        "--chart",
+        str(tmp_path / "p.png"),
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["demand_tokens"] > report["kv_capacity_tokens"]
@@ -142,5 +185,5 @@ def test_preemption_when_concurrency_exceeds_the_kv_cache(small_cache_stack, tmp
     assert report["preemptions"] > 0
     assert stack.vllm_metric("vllm:num_preemptions_total") - before == report["preemptions"]
     assert report["max_waiting"] > 0
-    assert report["burst_ttft_ms"]["median"] > report["baseline_ttft_ms"]["median"]
+    assert report["burst_ttft_ms"]["p50"] > report["baseline_ttft_ms"]["p50"]
     assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC

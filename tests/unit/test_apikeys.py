@@ -2,13 +2,12 @@ import os
 import stat
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-import apikeys
+from llmstack import REPO_ROOT, apikeys
 
-SCRIPT = Path(apikeys.__file__)
+SCRIPT = REPO_ROOT / "scripts" / "apikeys.py"
 
 
 def run(*args, env_extra=None):
@@ -57,7 +56,7 @@ def test_rewrite_keeps_the_inode_for_bind_mounts(tmp_path):
 def test_invalid_owner_is_a_one_line_error(tmp_path, owner):
     result = run("--file", str(tmp_path / "keys"), "--no-reload", "create", "--", owner)
     assert result.returncode == 2
-    assert result.stderr.startswith("apikeys: ") and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("apikeys.py: error: ") and result.stderr.count("\n") == 1
     assert "Traceback" not in result.stderr
 
 
@@ -70,11 +69,14 @@ def test_duplicate_owner_and_unknown_revoke_fail_cleanly(tmp_path):
     assert missing.returncode == 2 and "no key for owner" in missing.stderr
 
 
-@pytest.mark.parametrize("content, message", [
-    ("sk-123 alice;\n", "48 lower-case hex"),
-    ("garbage\n", "expected '<key> <owner>;'"),
-    (f"sk-{'a' * 48} alice;\nsk-{'b' * 48} alice;\n", "must be unique"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("sk-123 alice;\n", "48 lower-case hex"),
+        ("garbage\n", "expected '<key> <owner>;'"),
+        (f"sk-{'a' * 48} alice;\nsk-{'b' * 48} alice;\n", "must be unique"),
+    ],
+)
 def test_a_hand_edited_broken_file_is_reported_with_its_line(tmp_path, content, message):
     keys_file = tmp_path / "keys"
     keys_file.write_text(content)
@@ -96,8 +98,13 @@ def test_keys_file_comes_from_the_environment(tmp_path):
 
 
 def test_reload_without_a_running_gateway_is_not_an_error(tmp_path):
-    result = run("--file", str(tmp_path / "keys"), "create", "dave",
-                 env_extra={"COMPOSE_PROJECT_NAME": "llmstack-no-such-project"})
+    result = run(
+        "--file",
+        str(tmp_path / "keys"),
+        "create",
+        "dave",
+        env_extra={"COMPOSE_PROJECT_NAME": "llmstack-no-such-project"},
+    )
     assert result.returncode == 0
     assert "not running" in result.stderr or "not reloaded" in result.stderr
 

@@ -1,8 +1,11 @@
-"""Parsing vLLM's startup log lines and Prometheus text, as the lab scripts read them."""
+"""Parsing vLLM's startup log lines (llmstack.vllm) and Prometheus text (llmstack.promtext)."""
 
 from __future__ import annotations
 
-from lablib import cache_config_labels, label_number, metric_sum, parse_prometheus, parse_startup_log
+import pytest
+
+from llmstack import promtext
+from llmstack.vllm import cache_config_labels, label_number, parse_startup_log
 
 # Lines as vLLM 0.32.0 (CPU build) and the GPU build print them (the GPU lines are the lab's).
 CPU_LOG = """\
@@ -55,9 +58,9 @@ vllm:num_requests_waiting{engine="0",model_name="tiny-qwen3"} 3.0
 vllm:cache_config_info{block_size="128",cache_dtype="auto",kv_cache_memory_bytes="1073741824",\
 num_gpu_blocks="16384",num_gpu_blocks_override="None",engine="0"} 1.0
 """
-    samples = parse_prometheus(text)
-    assert metric_sum(samples, "vllm:num_preemptions_total") == 7.0
-    assert metric_sum(samples, "vllm:absent") is None
+    samples = promtext.parse(text)
+    assert promtext.total(samples, "vllm:num_preemptions_total") == 7.0
+    assert promtext.total(samples, "vllm:absent") is None
     labels = cache_config_labels(samples)
     assert label_number(labels, "num_gpu_blocks") == 16384
     assert label_number(labels, "num_gpu_blocks_override") is None
@@ -71,7 +74,7 @@ H200_LOG = """\
 (EngineCore pid=826) INFO 12-03 11:03:12 [model_runner.py:302] Model loading took 1.12 GiB and 2.399512 seconds
 (EngineCore pid=826) INFO 12-03 11:03:46 [gpu_worker.py:508] Available KV cache memory: 116.56 GiB
 (EngineCore pid=826) INFO 12-03 11:03:46 [kv_cache_utils.py:2146] GPU KV cache size: 1,091,296 tokens
-(EngineCore pid=826) INFO 12-03 11:03:46 [kv_cache_utils.py:2147] Maximum concurrency for 4,096 tokens per request: 266.43x
+(EngineCore pid=826) INFO [kv_cache_utils.py:2147] Maximum concurrency for 4,096 tokens per request: 266.43x
 (EngineCore pid=826) INFO 12-03 11:03:52 [model_runner.py:726] Graph capturing finished in 6 secs, took 0.50 GiB
 """
 
@@ -83,3 +86,36 @@ def test_h200_startup_log():
     assert facts["model_loading_gib"] == 1.12 and facts["available_kv_gib"] == 116.56
     assert facts["kv_cache_tokens"] == 1_091_296 and facts["max_concurrency"] == 266.43
     assert facts["graph_capture_gib"] == 0.50
+
+
+HISTOGRAM = """\
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="m"} 1.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.005",model_name="m"} 3.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.012
+vllm:time_to_first_token_seconds_bucket{engine="1",le="0.001",model_name="m"} 2.0
+vllm:time_to_first_token_seconds_bucket{engine="1",le="0.005",model_name="m"} 2.0
+vllm:time_to_first_token_seconds_bucket{engine="1",le="+Inf",model_name="m"} 2.0
+vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 2.0
+vllm:time_to_first_token_seconds_sum{engine="1",model_name="m"} 0.001
+"""
+
+
+def test_snapshot_sums_engines_and_keeps_buckets_apart():
+    name = "vllm:time_to_first_token_seconds"
+    before = promtext.Snapshot.from_text(HISTOGRAM.replace(" 4.0", " 0.0").replace(" 0.012", " 0.0"))
+    after = promtext.Snapshot.from_text(HISTOGRAM)
+    assert after.get(name + "_count") == 6.0
+    assert after.get(promtext.bucket_key(name, "0.001")) == 3.0
+    assert after.get(promtext.bucket_key(name, "+Inf")) == 6.0
+    assert promtext.bucket_bounds(promtext.parse(HISTOGRAM), name) == [0.001, 0.005]
+    # Δcount 4 (engine 0's count went 0 -> 4) and Δsum 0.012: a mean of 3 ms.
+    assert before.histogram_mean(after, name) == pytest.approx(0.003)
+
+
+def test_text_that_is_not_prometheus_format_is_refused():
+    with pytest.raises(promtext.MetricsFormatError):
+        promtext.parse('vllm:x{le="0.1" 1.0\n')
