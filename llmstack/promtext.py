@@ -35,6 +35,18 @@ def parse(text: str) -> list[Sample]:
         raise MetricsFormatError(f"not Prometheus text format: {err}") from err
 
 
+def parse_family(text: str, name: str) -> list[Sample]:
+    """The samples of one gauge or counter (exact sample name; not a histogram's _bucket/_count lines),
+    picked out before parsing, so a poller
+    that reads one gauge many times a second does not parse the whole page each time."""
+    wanted = [
+        line
+        for line in text.splitlines()
+        if line.startswith((name + "{", name + " ", f"# HELP {name} ", f"# TYPE {name} "))
+    ]
+    return parse("\n".join(wanted) + "\n") if wanted else []
+
+
 def select(samples: Iterable[Sample], name: str, **labels: str) -> list[Sample]:
     return [s for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
 

@@ -21,7 +21,7 @@ METRIC = "vllm:num_requests_running"
 
 def read_running(url: str) -> float | None:
     with urllib.request.urlopen(url, timeout=2) as response:
-        return promtext.total(promtext.parse(response.read().decode()), METRIC)
+        return promtext.total(promtext.parse_family(response.read().decode(), METRIC), METRIC)
 
 
 def main(argv: list[str] | None = None) -> int:

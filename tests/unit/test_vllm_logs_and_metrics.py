@@ -119,3 +119,13 @@ def test_snapshot_sums_engines_and_keeps_buckets_apart():
 def test_text_that_is_not_prometheus_format_is_refused():
     with pytest.raises(promtext.MetricsFormatError):
         promtext.parse('vllm:x{le="0.1" 1.0\n')
+
+
+def test_one_family_is_parsed_alone_with_the_same_values():
+    name = "vllm:time_to_first_token_seconds"
+    page = HISTOGRAM + 'vllm:num_requests_running{engine="0"} 2.0\n'
+    assert promtext.parse_family(page, "vllm:num_requests_running") == promtext.select(
+        promtext.parse(page), "vllm:num_requests_running"
+    )
+    assert promtext.total(promtext.parse_family(page, name), name + "_count") is None
+    assert promtext.parse_family(page, "vllm:absent") == []
