@@ -136,6 +136,13 @@ def prepare_nginx(args: argparse.Namespace, settings: Mapping[str, str]) -> tupl
     etc.mkdir(parents=True, exist_ok=True)
     shutil.copy(REPO_ROOT / "nginx/nginx.conf", etc / "nginx.conf")
     shutil.copytree(REPO_ROOT / "nginx/snippets", etc / "snippets", dirs_exist_ok=True)
+    shutil.copytree(REPO_ROOT / "nginx/njs", etc / "njs", dirs_exist_ok=True)
+    if args.nginx_root:
+        # nginx.conf loads modules/ngx_http_js_module.so from nginx's compiled-in prefix.
+        modules = Path("/usr/share/nginx/modules")
+        if not modules.exists():
+            modules.parent.mkdir(parents=True, exist_ok=True)
+            modules.symlink_to(Path(args.nginx_root).resolve() / "usr/lib/nginx/modules")
     if not (etc / "mime.types").exists():
         source = Path(args.nginx_root or "/") / "etc/nginx/mime.types"
         if not source.exists():

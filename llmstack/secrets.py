@@ -105,10 +105,13 @@ class Created:
 
     admin_key: str | None = None
     loadtest_key: str | None = None
+    migrated_keys: int = 0  # plain keys hashed in place (a keys file from before hashing)
     passwords: dict[str, str] | None = None  # secret name -> password (grafana, prometheus, locust)
 
     def messages(self, paths: Mapping[str, Path]) -> list[str]:
         lines = []
+        if self.migrated_keys:
+            lines.append(f"Hashed the {self.migrated_keys} plain keys in {paths['api_keys']}; the keys keep working")
         if self.admin_key:
             lines.append(f"Created the first API key (owner '{FIRST_KEY_OWNER}'), shown only now: {self.admin_key}")
         for name, password in (self.passwords or {}).items():
@@ -139,6 +142,8 @@ def ensure_secrets(paths: Mapping[str, Path]) -> Created:
 
     keys_file = paths["api_keys"]
     try:
+        if keys_file.is_file():
+            created.migrated_keys = apikeys.migrate(keys_file)
         owners = {key.owner for key in apikeys.read_keys(keys_file)}
         if not owners:
             created.admin_key = apikeys.create(keys_file, FIRST_KEY_OWNER)

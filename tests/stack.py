@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -17,7 +18,14 @@ from llmstack import REPO_ROOT, apikeys, promtext, secrets
 from llmstack.vllm import ComposeStack
 
 CPU_COMPOSE_FILES = ["compose.yaml", "compose.airgap.yaml", "compose.cpu.yaml"]
-KEY_OWNERS = ("alice", "bob", "burst", "streams")
+KEY_OWNERS = ("alice", "bob", "burst", "streams", "capped", "inflight", "budget", "daily", "neighbour")
+# Keys with their own limits beside them in the keys file (tests/integration/test_gateway_policy.py).
+KEY_SETTINGS = {
+    "capped": {"n": 2, "max_tokens": 64, "prompts": 3, "prompt_bytes": 2000},
+    "inflight": {"sequences": 4},
+    "budget": {"tpm": 60},
+    "daily": {"tpd": 40},
+}
 # Tight limits so the tests can reach them quickly; everything else is the shipped default.
 TEST_SETTINGS = {
     "GATEWAY_BIND_ADDRESS": "127.0.0.1",
@@ -26,6 +34,9 @@ TEST_SETTINGS = {
     "RATE_LIMIT_RETRY_AFTER": "3",
     "MAX_CONCURRENT_REQUESTS_PER_KEY": "8",
     "MAX_REQUEST_BODY_SIZE": "64k",
+    "RATE_LIMIT_WITHOUT_KEY": "5r/s",
+    "RATE_LIMIT_WITHOUT_KEY_BURST": "10",
+    "CORS_ALLOWED_ORIGINS": "https://app.example.test",
 }
 
 
@@ -80,7 +91,7 @@ class Stack:
         paths = secrets.secret_paths(settings)
         created = secrets.ensure_secrets(paths)
         assert created.loadtest_key and created.passwords is not None
-        self.keys = {owner: apikeys.create(paths["api_keys"], owner) for owner in KEY_OWNERS}
+        self.keys = {owner: apikeys.create(paths["api_keys"], owner, KEY_SETTINGS.get(owner)) for owner in KEY_OWNERS}
         self.keys["loadtest"] = created.loadtest_key
         self.passwords = {name.split("_")[0]: password for name, password in created.passwords.items()}
         models = self.workdir / "models"
@@ -109,6 +120,18 @@ class Stack:
         `docker compose ...` (and scripts that call it) reach this stack."""
         settings = dict(line.split("=", 1) for line in self.env_file.read_text().splitlines() if "=" in line)
         return {**os.environ, **settings, "COMPOSE_FILE": ":".join(self.compose_files)}
+
+    def apikeys(self, *args: str) -> subprocess.CompletedProcess:
+        """scripts/apikeys.py on this stack's keys file, as a user runs it after up.sh."""
+        keys_file = self.workdir / "secrets" / "api_keys"
+        return subprocess.run(
+            [sys.executable, str(REPO_ROOT / "scripts" / "apikeys.py"), "--file", str(keys_file), *args],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=self.user_environment(),
+        )
 
     def start(self) -> None:
         self.prepare()
