@@ -3,10 +3,14 @@
 
 nginx sends every access-log line (the gateway_json format of nginx/nginx.conf) to this process
 over syslog (UDP); this turns them into counters and histograms: requests by route (the name of the
-allowlisted nginx location that answered, or "other": nginx sets it, so no list is kept here), status and
-key owner, total request time, vLLM's (upstream) time to headers and to the last byte, and the
-time the gateway itself adds. At each scrape it also reads nginx's stub_status page for the
-connection gauges (named as the official nginx-prometheus-exporter names them).
+allowlisted nginx location that answered, or "other": nginx sets it, so no list is kept here), method,
+status and key owner; prompt and completion tokens by key owner and model (from the answer's usage);
+refusals by key owner and reason; total request time, vLLM's (upstream) time to headers and to the
+last byte, and the time the gateway itself adds. At each scrape it also reads nginx's stub_status
+page for the connection gauges (named as the official nginx-prometheus-exporter names them).
+
+Every label value a client can influence is bounded: a method outside the standard ones, a route or
+model name of an unexpected shape or length, and an unknown refusal reason are each counted as "other".
 Standard library only, so it runs unchanged in the official python image and in Debian's python3.
 `--healthcheck` is the container's health check: it asks this exporter's own /healthz.
 """
@@ -17,6 +21,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 import socket
 import sys
 import threading
@@ -28,15 +33,71 @@ from typing import ClassVar
 METRICS_PORT = 9113
 """The one place of this port: prometheus.yml is generated from it (llmstack/observability/rules.py)."""
 SYSLOG_PORT = 5140
-# nginx logs a fixed route name per location; a longer value is not from nginx.conf.
+OTHER = "other"
+"""The one value every unexpected label value folds into."""
+NONE = "none"
+"""The label value for an empty field (no valid key, no model in the answer)."""
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+"""nginx logs the client's method as sent; any other name (they are the client's to invent) is "other"."""
+# nginx logs a fixed route name per location (a path, "{id}" for a path parameter); a longer value,
+# or one of another shape, is not from nginx.conf.
 MAX_ROUTE_LENGTH = 64
+ROUTE_SHAPE = re.compile(r"/[A-Za-z0-9_./{}-]*")
+# The served model's name, from vLLM's answer: bounded by vLLM, checked here all the same.
+MAX_MODEL_LENGTH = 128
+MODEL_SHAPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]*")
+MAX_MODELS = 32
+"""Distinct model names kept as labels; later ones count as "other"."""
+REFUSAL_REASONS = frozenset(
+    {
+        # nginx/njs/gateway.js and templates/gateway.conf.template set these in the log's "refusal".
+        "missing_api_key",
+        "invalid_api_key",
+        "n_cap",
+        "max_tokens_cap",
+        "prompts_cap",
+        "prompt_size_cap",
+        "invalid_body",
+        "tokens_per_minute",
+        "tokens_per_day",
+        "sequences_in_flight",
+        "rate_limited",
+        "credentials_in_query",
+        "method_not_allowed",
+        "model_not_found",
+        "model_unavailable",
+    }
+)
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 ADDED_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def route_label(route: str) -> str:
-    return route if 0 < len(route) <= MAX_ROUTE_LENGTH else "other"
+    return route if len(route) <= MAX_ROUTE_LENGTH and ROUTE_SHAPE.fullmatch(route) else OTHER
+
+
+def method_label(method: str) -> str:
+    return method if method in HTTP_METHODS else OTHER
+
+
+def refusal_label(refusal: str) -> str | None:
+    """None when the gateway let the request through ("")."""
+    if not refusal:
+        return None
+    return refusal if refusal in REFUSAL_REASONS else OTHER
+
+
+def model_shape_label(model: str) -> str:
+    if not model:
+        return NONE
+    return model if len(model) <= MAX_MODEL_LENGTH and MODEL_SHAPE.fullmatch(model) else OTHER
+
+
+def token_count(value: object) -> int | None:
+    """A usage field of the log: decimal digits, or "" when the answer carried no usage."""
+    text = str(value) if value is not None else ""
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def upstream_seconds(value: str) -> float | None:
@@ -67,6 +128,40 @@ def format_value(value: float) -> str:
     return repr(float(value))
 
 
+class Counter:
+    """A counter family. A counter that first appears with a value above zero loses that first
+    step in Prometheus' rate() and increase() (a burst of 429s would never show), so a new label
+    set is exported at 0 once, and its counts join at the following scrape."""
+
+    def __init__(self, name: str, help_text: str, labels: tuple[str, ...]):
+        self.name = name
+        self.help_text = help_text
+        self.labels = labels
+        self.values: dict[tuple[str, ...], float] = {}
+        self.pending: dict[tuple[str, ...], float] = {}
+
+    def inc(self, label_values: tuple[str, ...], amount: float = 1) -> None:
+        if label_values in self.values:
+            self.values[label_values] += amount
+        else:
+            self.pending[label_values] = self.pending.get(label_values, 0) + amount
+
+    def samples(self) -> list[str]:
+        """The exposition lines; label sets new since the last call are shown at 0 this once."""
+        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} counter"]
+        shown = {**self.values, **{key: 0.0 for key in self.pending}}
+        for key, value in sorted(shown.items()):
+            labels = dict(zip(self.labels, key, strict=True))
+            lines.append(f"{self.name}{format_labels(labels)} {format_count(value)}")
+        self.values.update(self.pending)
+        self.pending.clear()
+        return lines
+
+
+def format_count(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else format_value(value)
+
+
 class Histogram:
     def __init__(self, buckets: tuple[float, ...]):
         self.buckets = buckets
@@ -95,6 +190,25 @@ class Histogram:
 class GatewayMetrics:
     """The gateway's counters and histograms; fed one access-log entry at a time."""
 
+    COUNTERS: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {
+        "gateway_requests_total": (
+            "Requests answered by the gateway, from its access log.",
+            ("route", "method", "status", "key_owner"),
+        ),
+        "gateway_refusals_total": (
+            "Requests the gateway refused itself (vLLM never saw them), by the refusal's reason.",
+            ("key_owner", "reason"),
+        ),
+        "gateway_prompt_tokens_total": (
+            "Prompt tokens of answered requests, from the usage of vLLM's answer (streamed or not).",
+            ("key_owner", "model"),
+        ),
+        "gateway_completion_tokens_total": (
+            "Completion tokens of answered requests, from the usage of vLLM's answer (streamed or not).",
+            ("key_owner", "model"),
+        ),
+        "gateway_response_bytes_total": ("Bytes sent to clients.", ("route",)),
+    }
     HISTOGRAMS: ClassVar[dict[str, tuple[str, tuple[float, ...]]]] = {
         "gateway_request_duration_seconds": (
             "Time from the first byte of the request to the last byte of the response.",
@@ -113,16 +227,13 @@ class GatewayMetrics:
             ADDED_LATENCY_BUCKETS,
         ),
     }
+    LOG_LINES = "gateway_log_lines_total"
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.requests: dict[tuple[str, str, str, str], int] = {}
-        # A counter that first appears with a value above zero loses that first step in
-        # Prometheus' rate() and increase(): a burst of 429s would never show. A new label set is
-        # therefore exported at 0 once, and its counts join at the following scrape.
-        self.pending_requests: dict[tuple[str, str, str, str], int] = {}
-        self.response_bytes: dict[str, float] = {}
+        self.counters = {name: Counter(name, text, labels) for name, (text, labels) in self.COUNTERS.items()}
         self.histograms: dict[str, dict[str, Histogram]] = {name: {} for name in self.HISTOGRAMS}
+        self.models: set[str] = set()
         self.log_lines = {"parsed": 0, "invalid": 0}
 
     def observe_line(self, line: str) -> bool:
@@ -139,21 +250,39 @@ class GatewayMetrics:
             return False
         return True
 
+    def model_label(self, model: str) -> str:
+        """The model's name as a label: its shape checked, and at most MAX_MODELS distinct names
+        (call with the lock held)."""
+        label = model_shape_label(model)
+        if label in (NONE, OTHER) or label in self.models:
+            return label
+        if len(self.models) >= MAX_MODELS:
+            return OTHER
+        self.models.add(label)
+        return label
+
     def observe(self, entry: dict) -> None:
         route = route_label(str(entry["route"]))
         status = str(int(entry["status"]))
-        method = str(entry.get("method") or "-")[:10]
-        owner = str(entry.get("key_owner") or "") or "none"
+        method = method_label(str(entry.get("method") or ""))
+        owner = str(entry.get("key_owner") or "") or NONE
         request_time = float(entry["request_time"])
         header_time = upstream_seconds(str(entry.get("upstream_header_time", "")))
         response_time = upstream_seconds(str(entry.get("upstream_response_time", "")))
+        bytes_sent = float(entry.get("bytes_sent", 0))
+        reason = refusal_label(str(entry.get("refusal") or ""))
+        prompt = token_count(entry.get("prompt_tokens"))
+        completion = token_count(entry.get("completion_tokens"))
         with self.lock:
-            key = (route, method, status, owner)
-            if key in self.requests:
-                self.requests[key] += 1
-            else:
-                self.pending_requests[key] = self.pending_requests.get(key, 0) + 1
-            self.response_bytes[route] = self.response_bytes.get(route, 0) + float(entry.get("bytes_sent", 0))
+            self.counters["gateway_requests_total"].inc((route, method, status, owner))
+            self.counters["gateway_response_bytes_total"].inc((route,), bytes_sent)
+            if reason is not None:
+                self.counters["gateway_refusals_total"].inc((owner, reason))
+            if prompt is not None or completion is not None:
+                # Both series appear together, so a panel may add one to the other.
+                model = self.model_label(str(entry.get("model") or ""))
+                self.counters["gateway_prompt_tokens_total"].inc((owner, model), prompt or 0)
+                self.counters["gateway_completion_tokens_total"].inc((owner, model), completion or 0)
             self._histogram("gateway_request_duration_seconds", route).observe(request_time)
             if header_time is not None:
                 self._histogram("gateway_upstream_header_duration_seconds", route).observe(header_time)
@@ -168,35 +297,41 @@ class GatewayMetrics:
             per_route[route] = Histogram(self.HISTOGRAMS[name][1])
         return per_route[route]
 
+    @classmethod
+    def metric_names(cls) -> set[str]:
+        """Every sample name this exporter can write (histograms with their suffixes), for the
+        checks of the dashboards and rules (llmstack/observability)."""
+        names = set(cls.COUNTERS) | {cls.LOG_LINES} | set(STUB_STATUS_METRICS)
+        names |= {f"{name}{suffix}" for name in cls.HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
+        return names
+
     def exposition(self) -> list[str]:
         with self.lock:
-            lines = [
-                "# HELP gateway_requests_total Requests answered by the gateway, from its access log.",
-                "# TYPE gateway_requests_total counter",
-            ]
-            shown = {**self.requests, **{key: 0 for key in self.pending_requests}}
-            for (route, method, status, owner), count in sorted(shown.items()):
-                labels = {"route": route, "method": method, "status": status, "key_owner": owner}
-                lines.append(f"gateway_requests_total{format_labels(labels)} {count}")
-            self.requests.update(self.pending_requests)
-            self.pending_requests.clear()
-            lines += [
-                "# HELP gateway_response_bytes_total Bytes sent to clients.",
-                "# TYPE gateway_response_bytes_total counter",
-            ]
-            for route, total in sorted(self.response_bytes.items()):
-                lines.append(f"gateway_response_bytes_total{format_labels({'route': route})} {format_value(total)}")
+            lines = []
+            for counter in self.counters.values():
+                lines += counter.samples()
             for name, (help_text, _) in self.HISTOGRAMS.items():
                 lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
                 for route, histogram in sorted(self.histograms[name].items()):
                     lines += histogram.samples(name, {"route": route})
             lines += [
-                "# HELP gateway_log_lines_total Access-log lines received, by whether they parsed.",
-                "# TYPE gateway_log_lines_total counter",
+                f"# HELP {self.LOG_LINES} Access-log lines received, by whether they parsed.",
+                f"# TYPE {self.LOG_LINES} counter",
             ]
             for result, count in sorted(self.log_lines.items()):
-                lines.append(f"gateway_log_lines_total{format_labels({'result': result})} {count}")
+                lines.append(f"{self.LOG_LINES}{format_labels({'result': result})} {count}")
         return lines
+
+
+STUB_STATUS_GAUGES = ("active", "reading", "writing", "waiting")
+STUB_STATUS_COUNTERS = ("accepted", "handled")
+STUB_STATUS_METRICS = (
+    "nginx_up",
+    *(f"nginx_connections_{state}" for state in STUB_STATUS_GAUGES),
+    *(f"nginx_connections_{counter}_total" for counter in STUB_STATUS_COUNTERS),
+    "nginx_http_requests_total",
+)
+"""What stub_status_exposition writes, named as the official nginx-prometheus-exporter names them."""
 
 
 def parse_stub_status(text: str) -> dict[str, float]:
@@ -230,9 +365,9 @@ def stub_status_exposition(url: str) -> list[str]:
     ]
     if figures is None:
         return lines
-    for state in ("active", "reading", "writing", "waiting"):
+    for state in STUB_STATUS_GAUGES:
         lines += [f"# TYPE nginx_connections_{state} gauge", f"nginx_connections_{state} {figures[state]}"]
-    for counter in ("accepted", "handled"):
+    for counter in STUB_STATUS_COUNTERS:
         lines += [
             f"# TYPE nginx_connections_{counter}_total counter",
             f"nginx_connections_{counter}_total {figures[counter]}",

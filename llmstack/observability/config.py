@@ -46,6 +46,10 @@ GATEWAY_5XX_RATIO = 0.05
 GATEWAY_5XX_WINDOW = "5m"
 GATEWAY_5XX_FOR = "5m"
 
+# --- Usage by API key ----------------------------------------------------------------------------
+TOP_KEYS = 10
+"""Keys shown in the gateway dashboard's "Top keys by tokens" panel."""
+
 # --- Objectives (each a bucket boundary of its vLLM histogram; a test checks) --------------------
 SLO_TTFT_P95_SECONDS = 0.5
 SLO_TPOT_SECONDS = 0.05
@@ -148,6 +152,60 @@ def histogram_buckets() -> dict[str, tuple[float, ...]]:
         }
     )
     return found
+
+
+# --- Metric names that rules and panels may read, by source ----------------------------------------
+VLLM_METRICS = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:cache_config_info",
+)
+"""vLLM's own names (the V1 engine's, vLLM 0.32.0) besides its latency histograms above."""
+DCGM_METRICS = ("DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_GPU_UTIL")
+PROMETHEUS_METRICS = ("up",)
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def source_metric_names() -> set[str]:
+    """Every metric name an exporter of the stack writes that a rule or panel may read: vLLM's,
+    the gateway exporter's (declared in its code), the load generator's (read from its code),
+    DCGM's and Prometheus' own. A name outside these and the recording rules is a typo or a
+    metric nobody exports (tests/unit/test_dashboards.py and test_prometheus_rules.py check)."""
+    histograms = {f"vllm:{h.name}" for h in (*QUANTILE_HISTOGRAMS, *PHASE_HISTOGRAMS)} | loadtest_histograms()
+    names = {f"{name}{suffix}" for name in histograms for suffix in HISTOGRAM_SUFFIXES}
+    names |= {f"{name}_total" for name in loadtest_counters()}
+    names |= set(VLLM_METRICS) | set(DCGM_METRICS) | set(PROMETHEUS_METRICS)
+    return names | gateway_exporter().GatewayMetrics.metric_names()
+
+
+def _loadtest_metrics(kind: str) -> set[str]:
+    """Names of the prometheus_client metrics of one kind (Histogram, Counter) that
+    loadtest/metrics.py defines, read without importing Locust."""
+    tree = ast.parse((REPO_ROOT / "loadtest" / "metrics.py").read_text())
+    return {
+        str(node.args[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", "") == kind
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    }
+
+
+def loadtest_histograms() -> set[str]:
+    return _loadtest_metrics("Histogram")
+
+
+def loadtest_counters() -> set[str]:
+    return _loadtest_metrics("Counter")
 
 
 def loadtest_buckets() -> tuple[float, ...]:

@@ -593,6 +593,73 @@ def gateway_quantiles(metric: str, label: str) -> list[dict]:
     return histogram_quantiles(metric, API_ROUTES, label, first)
 
 
+KEY_TOKENS = {"prompt": "gateway_prompt_tokens_total", "completion": "gateway_completion_tokens_total"}
+"""The gateway exporter's token counters, by key owner and model (from the usage of vLLM's answers)."""
+
+
+def top_keys_expr(count: int = config.TOP_KEYS) -> str:
+    """Prompt + completion tokens per key owner over the dashboard's range, the largest first.
+    The exporter makes both counters of a key owner together, so the sum misses no key."""
+    per_key = [f"sum by (key_owner) (increase({metric}[$__range]))" for metric in KEY_TOKENS.values()]
+    return f"topk({count}, {' + '.join(per_key)})"
+
+
+def usage_panels() -> list[dict]:
+    """Tokens and refusals by API key, from the gateway exporter (tokens per key owner and
+    model, from the usage of vLLM's answers; refusals by the gateway's reason)."""
+    return [
+        timeseries(
+            "Tokens/s by key",
+            [
+                target(
+                    f"sum by (key_owner) (rate({metric}[$__rate_interval]))",
+                    f"{{{{key_owner}}}} {kind}",
+                )
+                for kind, metric in KEY_TOKENS.items()
+            ],
+            "Prompt and completion tokens per second, per API key's owner, counted by the gateway from "
+            "the usage of each answer vLLM sent (streamed answers too, whether or not the client asked "
+            "for usage). Over all keys they add up to vLLM's own token counters.",
+            "short",
+            width=16,
+        ),
+        panel(
+            "bargauge",
+            "Top keys by tokens over the dashboard range",
+            [target(top_keys_expr(), "{{key_owner}}", format="table", instant=True, range=False)],
+            8,
+            8,
+            f"The {config.TOP_KEYS} API keys' owners with the most prompt + completion tokens over the "
+            "dashboard's time range.",
+            "short",
+            options={
+                "orientation": "horizontal",
+                "displayMode": "gradient",
+                "showUnfilled": True,
+                "reduceOptions": {"calcs": ["lastNotNull"], "fields": "/^Value$/", "values": True},
+            },
+            transformations=[
+                {"id": "sortBy", "options": {"sort": [{"field": "Value", "desc": True}]}},
+            ],
+        ),
+        timeseries(
+            "Refusals by reason",
+            [
+                target(
+                    "sum by (reason) (rate(gateway_refusals_total[$__rate_interval]))",
+                    "{{reason}}",
+                ),
+            ],
+            "Requests the gateway answered itself, vLLM never seeing them: missing or invalid key, a "
+            "per-key cap (n, max_tokens, prompts, prompt size), a token budget (per minute, per day), "
+            "sequences in flight, the request rate, a key in the query string, an invalid body.",
+            "reqps",
+            width=24,
+            stack=True,
+        ),
+    ]
+
+
 def throughput_dashboard() -> dict:
     status_colors = [
         color_override("200", "green"),
@@ -688,6 +755,8 @@ def throughput_dashboard() -> dict:
             "From nginx's stub_status page.",
             "short",
         ),
+        row("Usage and refusals by API key (gateway)"),
+        *usage_panels(),
         row("Load generator (while a Locust load test runs)"),
         timeseries(
             "TTFT: load generator (client) vs vLLM (server)",
@@ -708,7 +777,8 @@ def throughput_dashboard() -> dict:
     return dashboard(
         "llm-throughput-gateway",
         "LLM stack: throughput and gateway",
-        "Token throughput, and the gateway's requests by status, key owner and latency.",
+        "Token throughput, and the gateway's requests by status, key owner and latency; tokens and "
+        "refusals by API key.",
         panels,
         VLLM_VARIABLES,
     )

@@ -12,6 +12,9 @@ such as holt_winters, do not parse). What Prometheus 3 changed, from its migrati
 - holt_winters became double_exponential_smoothing behind a feature flag: experimental functions
   are refused (the parser knows which).
 - UTF-8 metric and label names: only legacy names ([a-zA-Z_:][a-zA-Z0-9_:]*), valid on both.
+
+Beside these, `unknown_metrics` finds a metric name that no exporter of the stack writes and no
+recording rule records (config.source_metric_names() lists the exporters' names).
 - Config: `scrape_classic_histograms` is now `always_scrape_classic_histograms`; targets keep the
   port they are given (no default port is added); Alertmanager API v1 is gone.
 """
@@ -37,6 +40,9 @@ GRAFANA_BUILTINS = {
     "__range": "1h",
 }
 GRAFANA_VARIABLE = re.compile(r"\$\{?(\w+)\}?")
+MENU_PLACEHOLDER = "variable"
+"""What fill_variables puts in place of a menu: a word, so it parses wherever the menu's value may
+stand (a number after `*` reads as a metric name of that word)."""
 REMOVED_CONFIG_KEYS = {"scrape_classic_histograms": "renamed always_scrape_classic_histograms in Prometheus 3"}
 
 
@@ -50,7 +56,7 @@ def fill_variables(expr: str, constants: dict[str, str] | None = None) -> str:
     """A dashboard expression with Grafana's variables replaced: constants by their value,
     built-ins by what Grafana sends, menus (regex values) by a plain word."""
     values = {**GRAFANA_BUILTINS, **(constants or {})}
-    return GRAFANA_VARIABLE.sub(lambda m: values.get(m.group(1), "variable"), expr)
+    return GRAFANA_VARIABLE.sub(lambda m: values.get(m.group(1), MENU_PLACEHOLDER), expr)
 
 
 def nodes(expr: str) -> Iterator[Any]:
@@ -68,6 +74,11 @@ def metric_names(expr: str) -> set[str]:
                 names.add(node.name)
             names |= {m.value for m in node.matchers.matchers if m.name == "__name__"}
     return names
+
+
+def unknown_metrics(expr: str, known: set[str]) -> set[str]:
+    """Metric names `expr` reads that are not in `known` (a filled-in menu is not a metric)."""
+    return metric_names(expr) - known - {MENU_PLACEHOLDER}
 
 
 def regex_dot_problem(pattern: str) -> bool:

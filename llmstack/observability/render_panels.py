@@ -65,14 +65,18 @@ def draw_panel(axis, title: str, panel_type: str, unit: str, queries: list) -> i
             family="monospace",
             transform=axis.transAxes,
         )
-    elif panel_type in ("stat", "gauge"):
-        lines = []
+    elif panel_type in ("stat", "gauge", "bargauge"):
+        shown_values = []
         for query in queries:
             for series in query.result:
                 value = float((series.get("value") or series["values"][-1])[1])
-                label = series_label(query.legend, series["metric"])
-                shown = f"{value * scale:.3g}{suffix}" if math.isfinite(value) else "-"
-                lines.append(f"{label}: {shown}")
+                shown_values.append((series_label(query.legend, series["metric"]), value))
+        if panel_type == "bargauge":  # largest first, as the panel's sortBy transformation shows them
+            shown_values.sort(key=lambda item: -item[1] if math.isfinite(item[1]) else math.inf)
+        lines = [
+            f"{label}: {value * scale:.3g}{suffix}" if math.isfinite(value) else f"{label}: -"
+            for label, value in shown_values
+        ]
         axis.axis("off")
         axis.text(
             0.02,

@@ -128,6 +128,62 @@ def test_vllm_queries_use_current_names_and_both_variables(path):
                     assert "$model_name" in expr, f"{item['title']}: vLLM query without $model_name: {expr}"
 
 
+def recorded_names() -> set[str]:
+    names = set()
+    for path in (REPO_ROOT / "prometheus" / "rules").glob("*.yml"):
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            names |= {rule["record"] for rule in group["rules"] if "record" in rule}
+    return names
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=lambda p: p.stem)
+def test_every_metric_a_panel_reads_is_exported_or_recorded(path):
+    """A typo in a metric name (or a metric no exporter writes) would be a panel that is always
+    empty; the names come from each exporter's code or its list in config.py."""
+    known = config.source_metric_names() | recorded_names()
+    dashboard = load(path)
+    constants = {v["name"]: v["query"] for v in dashboard["templating"]["list"] if v["type"] == "constant"}
+    for item in panels(dashboard):
+        for query in item["targets"]:
+            expr = promql_checks.fill_variables(query["expr"], constants)
+            unknown = promql_checks.unknown_metrics(expr, known)
+            assert not unknown, f"{item['title']}: unknown metric {sorted(unknown)} in {query['expr']}"
+
+
+def test_the_metric_name_check_finds_a_typo():
+    known = config.source_metric_names()
+    assert promql_checks.unknown_metrics("sum(rate(gateway_prompt_tokens_total[1m]))", known) == set()
+    assert promql_checks.unknown_metrics("sum(rate(gateway_prompt_token_total[1m]))", known) == {
+        "gateway_prompt_token_total"
+    }
+    menu = promql_checks.fill_variables("sum(DCGM_FI_DEV_FB_USED) * $gpu_memory_utilization")
+    assert promql_checks.unknown_metrics(menu, known) == set()
+
+
+def test_gateway_dashboard_shows_tokens_top_keys_and_refusals_by_key():
+    by_title = {p["title"]: p for p in panels(load(GRAFANA_DIR / "dashboards" / "llm-throughput-gateway.json"))}
+    tokens = by_title["Tokens/s by key"]
+    exprs = [t["expr"] for t in tokens["targets"]]
+    assert [promql_checks.metric_names(promql_checks.fill_variables(e)) for e in exprs] == [
+        {"gateway_prompt_tokens_total"},
+        {"gateway_completion_tokens_total"},
+    ]
+    assert all(e.startswith("sum by (key_owner) (rate(") and "$__rate_interval" in e for e in exprs), exprs
+    assert [t["legendFormat"] for t in tokens["targets"]] == ["{{key_owner}} prompt", "{{key_owner}} completion"]
+    top = by_title["Top keys by tokens over the dashboard range"]
+    (query,) = top["targets"]
+    assert top["type"] in ("bargauge", "table") and query["instant"] is True and query["range"] is False
+    assert query["expr"].startswith(f"topk({config.TOP_KEYS}, ") and query["expr"].count("[$__range]") == 2
+    assert promql_checks.metric_names(promql_checks.fill_variables(query["expr"])) == {
+        "gateway_prompt_tokens_total",
+        "gateway_completion_tokens_total",
+    }
+    refusals = by_title["Refusals by reason"]
+    (query,) = refusals["targets"]
+    assert query["expr"] == "sum by (reason) (rate(gateway_refusals_total[$__rate_interval]))"
+    assert query["legendFormat"] == "{{reason}}"
+
+
 def test_kv_cache_usage_is_never_summed():
     dashboard = load(GRAFANA_DIR / "dashboards" / "llm-kv-cache.json")
     for item in panels(dashboard):

@@ -12,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from llmstack import promtext
 from llmstack.observability import config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +38,10 @@ def log_line(**fields) -> str:
         "upstream_connect_time": "0.001",
         "upstream_header_time": "0.010",
         "upstream_response_time": "0.248",
+        "model": "",
+        "prompt_tokens": "",
+        "completion_tokens": "",
+        "refusal": "",
         "remote_addr": "10.0.0.1",
         "user_agent": "test",
     }
@@ -109,6 +114,160 @@ def test_garbage_is_counted_not_fatal():
     assert not metrics.observe_line("<190>Dec  3 gateway: not json")
     assert not metrics.observe_line('{"route": "/v1/models"}')
     assert sample(metrics.exposition(), 'gateway_log_lines_total{result="invalid"}') == 2
+
+
+def scraped(metrics, times: int = 2) -> list[promtext.Sample]:
+    """The exposition as Prometheus reads it, after `times` scrapes (new label sets show 0 at the
+    first); parsed with prometheus_client's parser, so it is valid text format too."""
+    for _ in range(times - 1):
+        metrics.exposition()
+    return promtext.parse("\n".join(metrics.exposition()) + "\n")
+
+
+def values(samples: list[promtext.Sample], name: str, *labels: str) -> dict[tuple[str, ...], float]:
+    return {tuple(s.labels[label] for label in labels): s.value for s in promtext.select(samples, name)}
+
+
+def usage_line(owner: str, prompt: str, completion: str, model: str = "tiny-qwen3", **fields) -> str:
+    return log_line(key_owner=owner, model=model, prompt_tokens=prompt, completion_tokens=completion, **fields)
+
+
+def test_tokens_are_counted_by_key_owner_and_model():
+    metrics = gateway_exporter.GatewayMetrics()
+    for line in (
+        usage_line("alice", "12", "30"),
+        usage_line("alice", "8", "2"),
+        usage_line("bob", "5", "64"),
+        usage_line("bob", "7", "1", model="org/other-model:v2"),
+    ):
+        assert metrics.observe_line(line)
+    first = promtext.parse("\n".join(metrics.exposition()) + "\n")
+    assert promtext.total(first, "gateway_prompt_tokens_total") == 0, "new label sets show 0 at first"
+    samples = scraped(metrics, times=1)
+    assert values(samples, "gateway_prompt_tokens_total", "key_owner", "model") == {
+        ("alice", "tiny-qwen3"): 20,
+        ("bob", "tiny-qwen3"): 5,
+        ("bob", "org/other-model:v2"): 7,
+    }
+    assert values(samples, "gateway_completion_tokens_total", "key_owner", "model") == {
+        ("alice", "tiny-qwen3"): 32,
+        ("bob", "tiny-qwen3"): 64,
+        ("bob", "org/other-model:v2"): 1,
+    }
+    # Known label sets count at once.
+    metrics.observe_line(usage_line("alice", "1", "1"))
+    samples = promtext.parse("\n".join(metrics.exposition()) + "\n")
+    assert promtext.total(samples, "gateway_prompt_tokens_total", key_owner="alice") == 21
+
+
+def test_tokens_are_added_only_from_decimal_digits():
+    metrics = gateway_exporter.GatewayMetrics()
+    for prompt, completion in (("", ""), ("-", "-"), ("12.5", "3e2"), ("-4", "+4"), ("١٢", "²"), (" 7", "7 ")):
+        assert metrics.observe_line(usage_line("alice", prompt, completion))
+    assert metrics.observe_line(log_line(key_owner="alice"))  # no usage fields in the line at all
+    samples = scraped(metrics)
+    assert promtext.select(samples, "gateway_prompt_tokens_total") == []
+    assert promtext.select(samples, "gateway_completion_tokens_total") == []
+    assert promtext.total(samples, "gateway_requests_total") == 7
+    # One usage field present: both series exist (a panel adds them), the other counts nothing.
+    metrics.observe_line(usage_line("alice", "9", ""))
+    samples = scraped(metrics)
+    assert values(samples, "gateway_prompt_tokens_total", "key_owner") == {("alice",): 9}
+    assert values(samples, "gateway_completion_tokens_total", "key_owner") == {("alice",): 0}
+
+
+def test_model_names_are_bounded():
+    metrics = gateway_exporter.GatewayMetrics()
+    for model in ("", "x" * 200, 'a"b', "with space", "new\nline", "{{model}}", "-leading-dash"):
+        metrics.observe_line(usage_line("alice", "1", "1", model=model))
+    for index in range(1000):
+        metrics.observe_line(usage_line("alice", "1", "1", model=f"model-{index}"))
+    models = values(scraped(metrics), "gateway_prompt_tokens_total", "model")
+    assert models[("none",)] == 1, "no model in the answer"
+    assert len(models) == gateway_exporter.MAX_MODELS + 2, "the first MAX_MODELS names, 'none' and 'other'"
+    assert models[("other",)] == 6 + 1000 - gateway_exporter.MAX_MODELS
+    assert sum(models.values()) == 1007
+
+
+def test_refusals_are_counted_by_key_owner_and_reason():
+    metrics = gateway_exporter.GatewayMetrics()
+    for owner, refusal, status in (
+        ("", "missing_api_key", 401),
+        ("", "invalid_api_key", 401),
+        ("capped", "n_cap", 400),
+        ("capped", "n_cap", 400),
+        ("budget", "tokens_per_minute", 429),
+        ("alice", "rate_limited", 429),
+        ("", "credentials_in_query", 400),
+        ("alice", "made_up_reason", 400),
+        ("alice", "x" * 500, 400),
+        ("alice", "", 200),
+    ):
+        metrics.observe_line(log_line(key_owner=owner, refusal=refusal, status=status))
+    refusals = values(scraped(metrics), "gateway_refusals_total", "key_owner", "reason")
+    assert refusals == {
+        ("none", "missing_api_key"): 1,
+        ("none", "invalid_api_key"): 1,
+        ("capped", "n_cap"): 2,
+        ("budget", "tokens_per_minute"): 1,
+        ("alice", "rate_limited"): 1,
+        ("none", "credentials_in_query"): 1,
+        ("alice", "other"): 2,
+    }
+
+
+def test_every_refusal_the_gateway_names_is_a_known_reason():
+    """The codes nginx's gateway sets in $gateway_refusal (njs and templates) are counted as
+    themselves; the contract's list is among them."""
+    njs = (REPO_ROOT / "nginx" / "njs" / "gateway.js").read_text()
+    templates = "".join(path.read_text() for path in (REPO_ROOT / "nginx").rglob("*.template"))
+    codes = set(re.findall(r"refuse\(r, \d+, '(\w+)'", njs)) | set(re.findall(r"overCap\(r, '(\w+)'", njs))
+    codes |= set(re.findall(r"set \$gateway_refusal (\w+);", templates))
+    assert codes, "no refusal codes found in nginx/"
+    assert codes <= gateway_exporter.REFUSAL_REASONS, sorted(codes - gateway_exporter.REFUSAL_REASONS)
+    for reason in gateway_exporter.REFUSAL_REASONS:
+        assert gateway_exporter.refusal_label(reason) == reason
+
+
+def test_a_thousand_invented_methods_make_at_most_one_more_series():
+    metrics = gateway_exporter.GatewayMetrics()
+    metrics.observe_line(log_line(method="POST", route="other", status=405))
+    before = len(promtext.select(scraped(metrics), "gateway_requests_total"))
+    for index in range(1000):
+        metrics.observe_line(log_line(method=f"M{index:04d}ETHOD", route="other", status=405))
+    samples = scraped(metrics)
+    requests = values(samples, "gateway_requests_total", "method")
+    assert len(requests) <= before + 1
+    assert requests == {("POST",): 1, ("other",): 1000}
+
+
+def test_methods_outside_the_standard_ones_fold_into_other():
+    for method in ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"):
+        assert gateway_exporter.method_label(method) == method
+    for method in ("get", "PROPFIND", "TRACE", "CONNECT", "", "POST ", "X" * 10_000):
+        assert gateway_exporter.method_label(method) == "other"
+
+
+def test_routes_of_another_shape_fold_into_other():
+    metrics = gateway_exporter.GatewayMetrics()
+    for route in ("/v1/models", "/v1/models/{id}", "/prometheus/", "other"):
+        assert gateway_exporter.route_label(route) == route
+    for route in ("", "v1/models", "/" + "x" * 100, "/v1/a b", '/v1/"quoted"', "/v1/\n", "/v1/ü"):
+        assert gateway_exporter.route_label(route) == "other", route
+        metrics.observe_line(log_line(route=route, status=404))
+    assert values(scraped(metrics), "gateway_requests_total", "route") == {("other",): 7}
+
+
+def test_the_exporter_declares_every_name_it_writes():
+    metrics = gateway_exporter.GatewayMetrics()
+    metrics.observe_line(usage_line("alice", "3", "4", refusal=""))
+    metrics.observe_line(log_line(key_owner="", refusal="missing_api_key", status=401))
+    text = "\n".join(metrics.exposition() + gateway_exporter.stub_status_exposition("http://127.0.0.1:1/")) + "\n"
+    written = {sample.name for sample in promtext.parse(text)}
+    declared = gateway_exporter.GatewayMetrics.metric_names()
+    assert written <= declared, sorted(written - declared)
+    assert {"gateway_prompt_tokens_total", "gateway_completion_tokens_total", "gateway_refusals_total"} <= declared
+    assert set(gateway_exporter.STUB_STATUS_METRICS) <= declared
 
 
 def test_stub_status_is_parsed():
@@ -194,18 +353,43 @@ def gateway_locations() -> dict[str, str]:
     return found
 
 
+def logged_routes(location: str, route: str) -> list[str]:
+    """The route names a location can log: "/v1/$name" expands to each alternative of the
+    location's (?<name>a|b) group."""
+    route = route.strip('"')
+    variable = re.search(r"\$(\w+)", route)
+    if not variable:
+        return [route]
+    group = re.search(rf"\(\?<{variable.group(1)}>([\w|]+)\)", location)
+    assert group, f"location {location}: cannot expand {route}"
+    return [route.replace(variable.group(0), word) for word in group.group(1).split("|")]
+
+
 def test_the_route_allowlist_is_nginx_s_only():
     """Every location that proxies names its route for the access log; the exporter keeps no list."""
     locations = gateway_locations()
-    api = {location: route for location, route in locations.items() if location.startswith("= /v1/")}
-    assert len(api) == 3 and all(route == location.removeprefix("= ") for location, route in api.items()), api
+    api = {location: route for location, route in locations.items() if re.match(r"(= |~ \^)/v1/", location)}
+    exact = {location: route for location, route in api.items() if location.startswith("= ")}
+    assert len(exact) >= 3 and all(route == location.removeprefix("= ") for location, route in exact.items()), exact
+    assert all(route.strip('"').startswith("/v1/") for route in api.values()), api
     for location, route in locations.items():
-        if location.startswith("= /v1/") or location.startswith("/"):
+        if location.startswith(("= /v1/", "~ ^/v1/", "/")):
             assert route or location == "/", f"location {location} logs no route name"
     gateway = (REPO_ROOT / "nginx" / "templates" / "gateway.conf.template").read_text()
     assert re.search(r"^    set \$gateway_route other;", gateway, flags=re.MULTILINE), "the server-wide default"
     assert '"route":"$gateway_route"' in (REPO_ROOT / "nginx" / "nginx.conf").read_text()
     assert "/v1/" not in SCRIPT.read_text(), "the exporter must not keep its own route list"
+
+
+def test_every_route_nginx_logs_is_kept_as_it_is():
+    """The exporter folds only what nginx.conf cannot log: each real route name passes unchanged."""
+    names = {"other"}
+    for location, route in gateway_locations().items():
+        if route:
+            names.update(logged_routes(location, route))
+    assert {"/v1/models/{id}", "/v1/embeddings", "/v1/chat/completions", "/prometheus/"} <= names, names
+    for name in names:
+        assert gateway_exporter.route_label(name) == name
 
 
 def test_healthcheck_reports_the_running_exporter(tmp_path):

@@ -180,6 +180,16 @@ def test_every_recording_rule_is_read_by_a_panel_or_a_rule():
     assert not missing, f"expressions read recording rules that do not exist: {sorted(missing)}"
 
 
+def test_every_metric_a_rule_reads_is_exported_or_recorded():
+    known = config.source_metric_names() | {rule["record"] for rule in rule_entries() if "record" in rule}
+    unknown = {
+        rule.get("record") or rule["alert"]: promql_checks.unknown_metrics(rule["expr"], known)
+        for rule in rule_entries()
+    }
+    unknown = {name: found for name, found in unknown.items() if found}
+    assert not unknown, unknown
+
+
 def test_every_expression_is_valid_on_prometheus_3():
     expressions = [rule["expr"] for rule in rule_entries()] + dashboard_expressions()
     problems = {expr: promql_checks.pitfalls(expr) for expr in expressions}
