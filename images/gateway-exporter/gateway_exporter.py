@@ -61,6 +61,7 @@ REFUSAL_REASONS = frozenset(
         "tokens_per_minute",
         "tokens_per_day",
         "sequences_in_flight",
+        "sequences_cap",
         "rate_limited",
         "credentials_in_query",
         "method_not_allowed",
