@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmstack import REPO_ROOT
+from llmstack.bench import gateway_overhead, noisy_neighbour
 from llmstack.bench.gateway_report import md_table, memory_table
 from llmstack.bench.loadtest_fidelity import markdown_table as fidelity_table
 from llmstack.cli import StackError, main_exit, parser_from_doc
@@ -112,7 +113,19 @@ GENERATORS: dict[str, Generator] = {
     "h200-memory": Generator(GPU_SUMMARY, lambda data: memory_table(data["memory"])),  # type: ignore[index]
     "h200-fidelity": Generator(GPU_FIDELITY, lambda data: fidelity_table(data)),  # type: ignore[arg-type]
 }
-DOCUMENTS = ("README.md", "docs/gpu-results.md", "docs/loadtest.md")
+POLICY_RESULTS = "docs/gateway-policy"
+for _stem in ("noisy-neighbour-cpu", "noisy-neighbour-cpu-sequences8", "noisy-neighbour-h200"):
+    GENERATORS[_stem] = Generator(f"{POLICY_RESULTS}/{_stem}.json", noisy_neighbour.markdown_table)  # type: ignore[arg-type]
+    GENERATORS[f"{_stem}-key-a"] = Generator(f"{POLICY_RESULTS}/{_stem}.json", noisy_neighbour.a_table)  # type: ignore[arg-type]
+for _stem in (
+    "gateway-overhead-cpu",
+    "gateway-overhead-cpu-previous-gateway",
+    "gateway-overhead-h200",
+    "gateway-overhead-h200-no-body-filter",
+    "gateway-overhead-h200-flush",
+):
+    GENERATORS[_stem] = Generator(f"{POLICY_RESULTS}/{_stem}.json", gateway_overhead.markdown_table)  # type: ignore[arg-type]
+DOCUMENTS = ("README.md", "docs/gpu-results.md", "docs/loadtest.md", "docs/gateway-policy.md")
 
 
 def regenerate(text: str, root: Path = REPO_ROOT) -> str:

