@@ -38,6 +38,14 @@ class StepState:
             self.level, self.budget, self.started_requests = level, budget, 0
             self.windows.append(StepWindow(level, time.perf_counter(), cpu_started=time.process_time()))
 
+    def close(self) -> None:
+        """The last step is over: no further request starts here until the next begin or reset
+        (users still running until the runner stops them must not send one more)."""
+        with self._lock:
+            if self.windows and self.windows[-1].ended is None:
+                self.windows[-1].close()
+            self.budget = self.started_requests
+
     def finish(self) -> None:
         with self._lock:
             if self.windows and self.windows[-1].ended is None:

@@ -94,7 +94,7 @@ class StepLoadShape(LoadTestShape):
             self._begin(0)
         elif self.step_done():
             if self.index + 1 >= len(self.levels):
-                STEP_STATE.finish()
+                STEP_STATE.close()
                 self._tell_workers(None)
                 return None
             self._begin(self.index + 1)

@@ -67,6 +67,13 @@ class OpenAIUser(HttpUser):
     wait_time = constant(0)
     host = "http://nginx:8080"
 
+    def __init__(self, environment) -> None:
+        super().__init__(environment)
+        # The load-test key goes only where the settings say (LOADTEST_HOST: the gateway), never
+        # to a host typed into the web UI's host field.
+        self.host = settings().host
+        self.client.base_url = self.host
+
     def on_start(self) -> None:
         config = settings()
         self.headers = {"Authorization": f"Bearer {config.next_key()}"}

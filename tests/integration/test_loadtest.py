@@ -59,11 +59,12 @@ def test_concurrency_table_is_self_consistent(experiments):
         assert 0 < row["tpot_ms"]["p50"] <= row["tpot_ms"]["p99"]
         assert row["ttft_ms"]["p99"] < row["e2e_ms"]["p99"] * (1 + 1e-9)
         # The step really had `level` requests open at once, never more; vLLM never ran more than
-        # that either. (Only a bound from vLLM's gauge here: on this 2-core machine the API server
-        # that answers the 50 ms polls is itself starved while it streams, so polls land in quiet
-        # moments. On the H200 run the gauge reached every level: docs/gpu-results/summary.json.)
+        # that either. (Only an upper bound from vLLM's gauge here: on this 2-core machine the API
+        # server that answers the 50 ms polls is itself starved while it streams, so a short step's
+        # polls can all land in quiet moments and read 0, as one CI run saw at concurrency 2. On
+        # the H200 run the gauge reached every level: docs/gpu-results/summary.json.)
         assert row["max_in_flight"] == level
-        assert row["max_running_in_vllm"] is not None and 1 <= row["max_running_in_vllm"] <= level, row
+        assert row["max_running_in_vllm"] is not None and 0 <= row["max_running_in_vllm"] <= level, row
     # The widest step lasts long enough to be sampled: vLLM really batched concurrent requests.
     assert rows[-1]["max_running_in_vllm"] >= 2
 
@@ -218,6 +219,18 @@ def test_web_ui_run_with_a_worker_keeps_sub_millisecond_precision_and_exports_me
         counted = float(result[0]["value"][1]) if result else 0.0
         time.sleep(2)
     assert counted >= ttft["num_requests"], f"Prometheus counted {counted} client TTFTs, the UI {ttft['num_requests']}"
+
+
+def test_a_host_typed_into_the_web_ui_never_gets_the_load_test_key(stack):
+    """The web UI's host field pointed at vLLM past the gateway: the load still goes through the
+    gateway (its access log has every request, under the load-test key's owner)."""
+    before = sum(1 for e in stack.nginx_access_log() if e["key_owner"] == "loadtest")
+    stats = stack.locust_swarm(["CompletionUser"], users=1, seconds=5, host="http://vllm:8000")
+    sent = next(row["num_requests"] for row in stats["stats"] if row["method"] == "E2E")  # one per request
+    assert sent > 0
+    time.sleep(1)
+    through_gateway = sum(1 for e in stack.nginx_access_log() if e["key_owner"] == "loadtest") - before
+    assert through_gateway >= sent, (through_gateway, sent)
 
 
 def test_gateway_vs_direct_benchmark_runs_in_the_stack(stack):
