@@ -129,6 +129,16 @@ def components(versions: dict[str, str], pins: dict[str, str]) -> list[tuple[str
             Probe(image("prometheus"), ("promtool", "--version"), "version " + VERSION),
         ),
         (
+            "Alertmanager",
+            versions["ALERTMANAGER_VERSION"],
+            Probe(image("alertmanager"), ("alertmanager", "--version"), "version " + VERSION),
+        ),
+        (
+            "amtool used by the config check",
+            versions["ALERTMANAGER_VERSION"],
+            Probe(image("alertmanager"), ("amtool", "--version"), "version " + VERSION),
+        ),
+        (
             "Python (gateway exporter, Locust)",
             versions["PYTHON_VERSION"],
             Probe(image("gateway-exporter"), python_version, VERSION),

@@ -119,13 +119,16 @@ def alert_groups() -> list[dict]:
         {
             "name": "vllm",
             "rules": [
-                # Stopped containers drop out of DNS: then there is no target to be down, only none.
+                # No replica answering is one alert without an instance label, whether the
+                # containers are stopped (gone from DNS: no target at all) or starting (a target,
+                # down while the model loads): a restart does not resolve it before vLLM serves.
+                # While others answer, a replica that is down is an alert of its own.
                 alert(
                     "VLLMDown",
-                    f"{vllm_up} == 0 or absent({vllm_up})",
+                    f"absent({vllm_up} == 1) or ({vllm_up} == 0 and on() (count({vllm_up} == 1) > 0))",
                     c.VLLM_DOWN_FOR,
                     "critical",
-                    'vLLM {{ or $labels.instance "(no replica left)" }} is not answering /metrics',
+                    'vLLM {{ or $labels.instance "(every replica)" }} is not answering /metrics',
                 ),
                 alert(
                     "VLLMKVCacheNearlyFull",
@@ -191,6 +194,13 @@ global:
 
 rule_files:
   - /etc/prometheus/rules/*.yml
+
+# Firing and resolved alerts go to Alertmanager (alertmanager/), on the same network; it notifies
+# the receivers set in .env.
+alerting:
+  alertmanagers:
+    - static_configs:
+        - targets: ["alertmanager:9093"]
 
 scrape_configs:
   # Every vLLM replica: "vllm" resolves to one address per container (docker compose --scale).

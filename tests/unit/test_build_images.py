@@ -61,9 +61,9 @@ def test_the_real_compose_files_plan_both_bases_and_every_image_with_versions_en
     assert images.base_images(list(plan.values())) == sorted(
         {f"llm-stack/debian:{suite}", f"llm-stack/debian:{vllm_suite}"}
     )
-    assert set(plan) == {"gateway-exporter", "locust-master", "nginx", "prometheus", "vllm"}
+    assert set(plan) == {"alertmanager", "gateway-exporter", "locust-master", "nginx", "prometheus", "vllm"}
     assert plan["locust-master"].services == ["locust-master", "locust-worker"]
-    for name in ("gateway-exporter", "locust-master", "nginx", "prometheus"):
+    for name in ("alertmanager", "gateway-exporter", "locust-master", "nginx", "prometheus"):
         assert plan[name].args == {"BASE_IMAGE": f"llm-stack/debian:{suite}"}, name
     vllm = plan["vllm"].args
     assert vllm["BASE_IMAGE"] == f"llm-stack/debian:{vllm_suite}" and vllm["PIP_VERSION"] == VERSIONS["PIP_VERSION"]
