@@ -116,9 +116,11 @@ def read_keys(path: Path) -> list[ApiKey]:
 
 
 def write_keys(path: Path, keys: list[ApiKey]) -> None:
-    """Rewrite in place: the file is bind-mounted, and a rename would leave nginx the old inode."""
+    """Rewrite in place: the file is bind-mounted, and a rename would leave nginx the old inode.
+    Mode 644: nginx reads it as a non-root user; it holds hashes only (secrets/ itself is 700)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    os.fchmod(fd, 0o644)
     with os.fdopen(fd, "r+") as handle:
         handle.seek(0)
         handle.write(render_keys(keys))

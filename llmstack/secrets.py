@@ -5,6 +5,7 @@ Which files: compose.yaml's top-level `secrets:` section, where each is `file: $
 (or `${SETTING:?why}`), so the setting names and default paths are written only there.
 
   python -m llmstack.secrets [--env-file .env]   # make what is missing, print what to keep once
+  python -m llmstack.secrets --path tls_certificate   # where one secret's file is
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import os
 import re
 import secrets as token_source
+import socket
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,7 +28,15 @@ from llmstack.cli import StackError, UsageError, parser_from_doc
 COMPOSE_FILE = REPO_ROOT / "compose.yaml"
 _FILE_SETTING = re.compile(r"^\$\{(?P<name>[A-Z_][A-Z0-9_]*)(?::-(?P<default>[^}]*)|:\?[^}]*)?\}$")
 # Secrets read by non-root users inside their containers: 644 inside a 700 folder.
-SHARED_WITH_CONTAINER_USERS = {"grafana_admin_password", "prometheus_htpasswd", "locust_htpasswd", "loadtest_api_key"}
+SHARED_WITH_CONTAINER_USERS = {
+    "grafana_admin_password",
+    "prometheus_htpasswd",
+    "locust_htpasswd",
+    "loadtest_api_key",
+    "api_keys",  # hashes only
+    "tls_certificate",
+    "tls_key",  # nginx runs unprivileged; the secrets folder itself is 700
+}
 FIRST_KEY_OWNER = "admin"
 LOADTEST_KEY_OWNER = "loadtest"
 BASIC_AUTH_USER = "admin"
@@ -91,6 +101,33 @@ def htpasswd_line(user: str, password: str) -> str:
     return f"{user}:{hashed}\n"
 
 
+def self_signed_names() -> list[str]:
+    """Names a self-signed certificate is made for: this host as clients on it and beside it
+    reach it, and the gateway's name inside the stack."""
+    names = ["DNS:localhost", "IP:127.0.0.1", "DNS:nginx"]
+    for name in {socket.gethostname(), socket.getfqdn()}:
+        if name and f"DNS:{name}" not in names and re.fullmatch(r"[A-Za-z0-9.-]+", name):
+            names.append(f"DNS:{name}")
+    return names
+
+
+def make_self_signed(certificate: Path, key: Path) -> None:
+    """A self-signed certificate (P-256, 825 days) and its key, for the gateway's HTTPS."""
+    try:
+        subprocess.run(
+            [
+                "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                "-days", "825", "-subj", "/CN=llm-stack gateway",
+                "-addext", "subjectAltName=" + ",".join(self_signed_names()),
+                "-keyout", str(key), "-out", str(certificate),
+            ],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = getattr(err, "stderr", "") or err
+        raise StackError(f"openssl could not make a self-signed certificate: {detail}") from err
+
+
 def _write(path: Path, text: str, mode: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
@@ -105,11 +142,17 @@ class Created:
 
     admin_key: str | None = None
     loadtest_key: str | None = None
+    self_signed: bool = False  # a self-signed certificate was made for the gateway
     migrated_keys: int = 0  # plain keys hashed in place (a keys file from before hashing)
     passwords: dict[str, str] | None = None  # secret name -> password (grafana, prometheus, locust)
 
     def messages(self, paths: Mapping[str, Path]) -> list[str]:
         lines = []
+        if self.self_signed:
+            lines.append(
+                f"Made a self-signed HTTPS certificate for the gateway: clients trust {paths['tls_certificate']} "
+                "(curl --cacert, SSL_CERT_FILE); put a real one in its place (README.md, TLS)"
+            )
         if self.migrated_keys:
             lines.append(f"Hashed the {self.migrated_keys} plain keys in {paths['api_keys']}; the keys keep working")
         if self.admin_key:
@@ -144,6 +187,7 @@ def ensure_secrets(paths: Mapping[str, Path]) -> Created:
     try:
         if keys_file.is_file():
             created.migrated_keys = apikeys.migrate(keys_file)
+            keys_file.chmod(mode("api_keys"))  # older set-ups made it 600; nginx runs unprivileged
         owners = {key.owner for key in apikeys.read_keys(keys_file)}
         if not owners:
             created.admin_key = apikeys.create(keys_file, FIRST_KEY_OWNER)
@@ -154,6 +198,16 @@ def ensure_secrets(paths: Mapping[str, Path]) -> Created:
             _write(paths["loadtest_api_key"], created.loadtest_key + "\n", mode("loadtest_api_key"))
     except apikeys.KeysFileError as err:
         raise UsageError(str(err)) from None
+    if "tls_certificate" in paths and missing("tls_certificate") != missing("tls_key"):
+        given, absent = ("tls_certificate", "tls_key") if missing("tls_key") else ("tls_key", "tls_certificate")
+        raise UsageError(
+            f"{paths[given]} is there but {paths[absent]} is not: give both, or neither for a self-signed pair"
+        )
+    if "tls_certificate" in paths and missing("tls_certificate"):
+        make_self_signed(paths["tls_certificate"], paths["tls_key"])
+        for name in ("tls_certificate", "tls_key"):
+            paths[name].chmod(mode(name))
+        created.self_signed = True
     for name in paths:
         if name == "hf_token" and not paths[name].exists():
             _write(paths[name], "", mode(name))  # may stay empty: only gated models need a token
@@ -190,9 +244,17 @@ def main(argv: list[str] | None = None) -> int:
         default=REPO_ROOT / ".env",
         help="settings file (default: .env; the environment wins over it, as with compose)",
     )
+    parser.add_argument(
+        "--path", metavar="SECRET", help="only print where this secret's file is (e.g. tls_certificate)"
+    )
     args: argparse.Namespace = parser.parse_args(argv)
     settings = {**read_env_file(args.env_file), **os.environ}
     paths = secret_paths(settings)
+    if args.path:
+        if args.path not in paths:
+            raise UsageError(f"no secret {args.path!r}; compose.yaml declares {', '.join(sorted(paths))}")
+        print(paths[args.path])
+        return 0
     for line in ensure_secrets(paths).messages(paths):
         print(line)
     return 0

@@ -53,7 +53,9 @@ fi
 
 started=$(date +%s)
 docker compose up -d --wait
-gateway=$(docker compose port nginx 8080 2>/dev/null | tail -n 1)
-echo "Stack healthy after $(( $(date +%s) - started ))s. Try:" >&2
-echo "  curl -N http://${gateway:-localhost:8080}/v1/chat/completions -H \"Authorization: Bearer \$KEY\" \\" >&2
+gateway=$(docker compose port nginx 8443 2>/dev/null | tail -n 1)
+gateway=${gateway/0.0.0.0/localhost}
+ca_file=$(.venv/bin/python -m llmstack.secrets --path tls_certificate)
+echo "Stack healthy after $(( $(date +%s) - started ))s. Try (HTTPS; plain HTTP is on 127.0.0.1 only):" >&2
+echo "  curl -N --cacert $ca_file https://${gateway:-localhost:8443}/v1/chat/completions -H \"Authorization: Bearer \$KEY\" \\" >&2
 echo "       -H 'Content-Type: application/json' -d '{\"model\": \"<served model>\", \"stream\": true, \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'" >&2

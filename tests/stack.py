@@ -18,7 +18,7 @@ from llmstack import REPO_ROOT, apikeys, promtext, secrets
 from llmstack.vllm import ComposeStack
 
 CPU_COMPOSE_FILES = ["compose.yaml", "compose.airgap.yaml", "compose.cpu.yaml"]
-KEY_OWNERS = ("alice", "bob", "burst", "streams", "capped", "inflight", "budget", "daily", "neighbour")
+KEY_OWNERS = ("alice", "bob", "burst", "streams", "capped", "inflight", "budget", "daily", "neighbour", "soak")
 # Keys with their own limits beside them in the keys file (tests/integration/test_gateway_policy.py).
 KEY_SETTINGS = {
     "capped": {"n": 2, "max_tokens": 64, "prompts": 3, "prompt_bytes": 2000},
@@ -37,6 +37,9 @@ TEST_SETTINGS = {
     "RATE_LIMIT_WITHOUT_KEY": "5r/s",
     "RATE_LIMIT_WITHOUT_KEY_BURST": "10",
     "CORS_ALLOWED_ORIGINS": "https://app.example.test",
+    # Short, so tests/integration/test_faults.py's frozen vLLM is found out in seconds.
+    "UPSTREAM_READ_TIMEOUT": "20s",
+    "UPSTREAM_STREAM_IDLE_TIMEOUT": "8s",
 }
 
 
@@ -58,6 +61,7 @@ class Stack:
         self.project = f"{name}-{uuid.uuid4().hex[:8]}"
         self.extra_settings = dict(extra_settings or {})
         self.port = free_port()
+        self.https_port = free_port()
         self.keys: dict[str, str] = {}
         files = os.environ.get("LLM_STACK_COMPOSE_FILES", ":".join(CPU_COMPOSE_FILES)).split(":")
         # A developer may start part of the stack, e.g. LLM_STACK_SERVICES=nginx,vllm.
@@ -101,6 +105,7 @@ class Stack:
             "COMPOSE_PROJECT_NAME": self.project,
             "MODELS_DIR": str(models),
             "GATEWAY_PORT": str(self.port),
+            "GATEWAY_HTTPS_PORT": str(self.https_port),
             **TEST_SETTINGS,
             **self.extra_settings,
         }
@@ -159,7 +164,9 @@ class Stack:
             raise KeyError(f"vLLM exports no metric {name}")
         return value
 
-    def locust_swarm(self, user_classes: list[str], users: int, seconds: float) -> dict:
+    def locust_swarm(
+        self, user_classes: list[str], users: int, seconds: float, host: str = "http://nginx:8080"
+    ) -> dict:
         """A load test started and stopped in Locust's web UI, through nginx with its login, as a
         person would; returns the web UI's statistics taken just before the stop."""
         auth = ("admin", self.passwords["locust"])
@@ -178,7 +185,7 @@ class Stack:
         form = [
             ("user_count", str(users)),
             ("spawn_rate", str(users)),
-            ("host", "http://nginx:8080"),
+            ("host", host),
             ("shape_class", "Default"),
             *(("user_classes", name) for name in user_classes),
         ]

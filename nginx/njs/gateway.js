@@ -312,7 +312,11 @@ function handle(r) {
         }
     }
     r.variables.gateway_body = JSON.stringify(body);
-    r.internalRedirect(d.maxTokensField === null ? '@vllm_pooling' : '@vllm_write');
+    if (d.maxTokensField === null) {
+        r.internalRedirect('@vllm_pooling');
+    } else {
+        r.internalRedirect(body.stream === true ? '@vllm_stream' : '@vllm_write');
+    }
 }
 
 function retrieveModel(r) {

@@ -159,6 +159,8 @@ def test_sequences_in_flight_are_limited_per_key_and_given_back(stack):
         assert [f.result() for f in streams] == [200, 200]
     error = assert_refused_before_vllm(stack, refused, 429, "sequences_in_flight")
     assert chat(stack, "inflight", n=4, max_tokens=4).status_code == 200
+    too_many = post(stack, "/v1/completions", "inflight", prompt=["a", "b", "c"], n=2, max_tokens=2)
+    assert "6" in assert_refused_before_vllm(stack, too_many, 400, "sequences_cap")["message"]
     assert "4" in error["message"] and refused.headers["Retry-After"] == "1"
     # Given back when each request ends, a client that hangs up included.
     hang_up_after_first_event(stack, payload, "inflight")

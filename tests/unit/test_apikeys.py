@@ -25,7 +25,7 @@ def test_create_writes_the_keys_hash_only_and_prints_the_key_once(tmp_path):
     text = keys_file.read_text()
     assert key not in text and key[3:] not in text
     assert f'{hashlib.sha256(key.encode()).hexdigest()} "alice n=2 tpm=1000";' in text
-    assert stat.S_IMODE(keys_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(keys_file.stat().st_mode) == 0o644  # nginx reads it unprivileged
     listing = run("--file", str(keys_file), "list")
     assert "alice" in listing.stdout and key not in listing.stdout
 

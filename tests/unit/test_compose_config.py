@@ -59,15 +59,24 @@ def test_only_the_gateway_publishes_a_port_with_the_default_address(variant):
     _, config = variant
     published = {name: s["ports"] for name, s in config["services"].items() if s.get("ports")}
     assert published == {
-        "nginx": [{"mode": "ingress", "host_ip": "0.0.0.0", "target": 8080, "published": "8080", "protocol": "tcp"}]
+        "nginx": [
+            {"mode": "ingress", "host_ip": "0.0.0.0", "target": 8443, "published": "8443", "protocol": "tcp"},
+            # Plain HTTP for this host only.
+            {"mode": "ingress", "host_ip": "127.0.0.1", "target": 8080, "published": "8080", "protocol": "tcp"},
+        ]
     }
 
 
 def test_the_gateway_port_setting_moves_the_port_and_grafanas_address():
-    config = render(VARIANTS["gpu"], {"GATEWAY_PORT": "9999", "GATEWAY_BIND_ADDRESS": "127.0.0.1"})
-    assert config["services"]["nginx"]["ports"][0] | {} == {
+    config = render(
+        VARIANTS["gpu"],
+        {"GATEWAY_PORT": "9999", "GATEWAY_HTTP_BIND_ADDRESS": "0.0.0.0", "GATEWAY_HTTPS_PORT": "9443"},
+    )
+    https, http = config["services"]["nginx"]["ports"]
+    assert (https["target"], https["published"]) == (8443, "9443")
+    assert http | {} == {
         "mode": "ingress",
-        "host_ip": "127.0.0.1",
+        "host_ip": "0.0.0.0",
         "target": 8080,
         "published": "9999",
         "protocol": "tcp",
@@ -95,6 +104,7 @@ def test_images_per_path_carry_the_versions_in_versions_env(variant):
         "vllm": f"vllm/vllm-openai:v{VERSIONS['VLLM_VERSION']}",
         "nginx": f"nginx:{VERSIONS['NGINX_VERSION']}",
         "prometheus": f"prom/prometheus:v{VERSIONS['PROMETHEUS_VERSION']}",
+        "alertmanager": f"prom/alertmanager:v{VERSIONS['ALERTMANAGER_VERSION']}",
         "gateway-exporter": python,
         "grafana": f"grafana/grafana:{VERSIONS['GRAFANA_VERSION']}",
         "dcgm-exporter": f"nvcr.io/nvidia/k8s/dcgm-exporter:{VERSIONS['DCGM_EXPORTER_VERSION']}",
@@ -106,7 +116,10 @@ def test_images_per_path_carry_the_versions_in_versions_env(variant):
         assert config["services"]["locust-master"]["build"]["args"] == {"BASE_IMAGE": python}
         return
     suite = VERSIONS["DEBIAN_SUITE"]
-    local = {service: f"llm-stack/{service}:debian-{suite}" for service in ("nginx", "prometheus", "gateway-exporter")}
+    local = {
+        service: f"llm-stack/{service}:debian-{suite}"
+        for service in ("nginx", "prometheus", "alertmanager", "gateway-exporter")
+    }
     local |= {"locust-master": f"llm-stack/locust:debian-{suite}", "locust-worker": f"llm-stack/locust:debian-{suite}"}
     local["vllm"] = "llm-stack/vllm:cpu" if name == "cpu" else f"llm-stack/vllm:{VERSIONS['VLLM_VERSION']}-cuda"
     vllm_args = config["services"]["vllm"]["build"]["args"]
@@ -213,6 +226,8 @@ def test_no_secret_reaches_the_rendered_config(secret_files, name):
         "api_keys",
         "prometheus_htpasswd",
         "locust_htpasswd",
+        "tls_certificate",
+        "tls_key",
     }
 
 
