@@ -114,7 +114,12 @@ GENERATORS: dict[str, Generator] = {
     "h200-fidelity": Generator(GPU_FIDELITY, lambda data: fidelity_table(data)),  # type: ignore[arg-type]
 }
 POLICY_RESULTS = "docs/gateway-policy"
-for _stem in ("noisy-neighbour-cpu", "noisy-neighbour-cpu-sequences8", "noisy-neighbour-h200"):
+for _stem in (
+    "noisy-neighbour-cpu",
+    "noisy-neighbour-cpu-sequences8",
+    "noisy-neighbour-h200",
+    "noisy-neighbour-h200-before-fixes",
+):
     GENERATORS[_stem] = Generator(f"{POLICY_RESULTS}/{_stem}.json", noisy_neighbour.markdown_table)  # type: ignore[arg-type]
     GENERATORS[f"{_stem}-key-a"] = Generator(f"{POLICY_RESULTS}/{_stem}.json", noisy_neighbour.a_table)  # type: ignore[arg-type]
 for _stem in (
