@@ -404,3 +404,24 @@ def test_a_stale_generated_table_is_found(tmp_path):
     assert "docs/loadtest.md: h200-fidelity" not in stale
     # The README's table is the generated one: its first row is the summary's first level.
     assert "| 1 | 999 | 369 | 18.2 / 18.6 | 2.42 |" in docs.regenerate((tmp_path / "README.md").read_text(), tmp_path)
+
+
+def test_soak_checks_judge_every_container_but_prometheus():
+    from llmstack.bench import soak
+
+    samples = [{"t": i, "mib": {"vllm": 100.0, "nginx": 20.0, "prometheus": 30.0 + i}} for i in range(20)]
+    run = {
+        "client": {"200": 5, "429": 2},
+        "gateway": {"200": 5, "429": 2},
+        "vllm_finished": 5,
+        "memory_samples": samples,
+    }
+    judged = soak.evaluate(run, 0.10)
+    assert judged["passed"] and judged["memory_growth"]["prometheus"]["growth"] > 0.10
+    leaking = [{"t": i, "mib": {"vllm": 100.0 + 5 * i, "nginx": 20.0}} for i in range(20)]
+    assert not soak.evaluate(run | {"memory_samples": leaking}, 0.10)["checks"]["no_memory_growth"]
+    lost = soak.evaluate(run | {"vllm_finished": 4}, 0.10)
+    assert not lost["checks"]["gateway_200_equals_vllm_finished"]
+    broken = soak.evaluate(run | {"client": {"200": 5, "bad 502": 1}}, 0.10)
+    assert not broken["checks"]["only_200_or_retryable"]
+    assert soak.to_mib("1.5GiB") == 1536 and soak.to_mib("512KiB") == 0.5
