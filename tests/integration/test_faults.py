@@ -18,12 +18,21 @@ STREAM_IDLE_S = 8  # tests/stack.py: UPSTREAM_STREAM_IDLE_TIMEOUT
 READ_S = 20  # tests/stack.py: UPSTREAM_READ_TIMEOUT
 
 
-def stream_events(stack, max_tokens: int, started: threading.Event | None = None) -> tuple[list[str], bool, float]:
-    """One streamed completion: (its token texts, whether it ended with [DONE], seconds taken)."""
+def stream_events(stack, max_tokens: int, started: threading.Event | None = None) -> tuple[list[str], bool, float, int]:
+    """One streamed completion: (its events' texts, whether it ended with [DONE], seconds taken, the
+    tokens its usage counted; vLLM may put several tokens in one event when the client lags)."""
     begin = time.monotonic()
     texts: list[str] = []
+    usage_tokens: list[int] = []
     done = False
-    payload = {"model": MODEL, "prompt": "Go on", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    payload = {
+        "model": MODEL,
+        "prompt": "Go on",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         with requests.post(
             stack.url("/v1/completions"), json=payload, headers=stack.auth("streams"), stream=True, timeout=120
@@ -33,12 +42,16 @@ def stream_events(stack, max_tokens: int, started: threading.Event | None = None
                 if line == "data: [DONE]":
                     done = True
                 elif line.startswith("data: "):
-                    texts.append(json.loads(line[6:])["choices"][0]["text"])
+                    event = json.loads(line[6:])
+                    if event.get("usage"):
+                        usage_tokens.append(event["usage"]["completion_tokens"])
+                    if event.get("choices"):
+                        texts.append(event["choices"][0]["text"])
                     if started is not None and len(texts) == 5:
                         started.set()
     except requests.exceptions.ChunkedEncodingError:
         pass  # the connection closed mid-stream
-    return texts, done, time.monotonic() - begin
+    return texts, done, time.monotonic() - begin, usage_tokens[-1] if usage_tokens else 0
 
 
 def test_a_reload_during_streams_cuts_none(stack):
@@ -48,8 +61,8 @@ def test_a_reload_during_streams_cuts_none(stack):
         assert started.wait(60)
         stack.exec("nginx", "nginx", "-s", "reload")
         results = [f.result() for f in streams]
-    for texts, done, _ in results:
-        assert done and len(texts) == 600
+    for _texts, done, _, tokens in results:
+        assert done and tokens == 600
 
 
 @pytest.mark.destructive
@@ -69,7 +82,7 @@ def test_a_frozen_vllm_is_found_out_within_the_timeouts(stack):
                 timeout=120,
             )
             waited = time.monotonic() - begin
-            texts, done, _ = streaming.result()
+            texts, done, _, _ = streaming.result()
             stream_waited = time.monotonic() - begin
         finally:
             stack.compose_command("unpause", "vllm")
