@@ -257,11 +257,8 @@ def test_client_disconnect_stops_generation(stack):
         lines = response.iter_lines()
         for _ in range(5):
             next(lines)
-        # vLLM's gauge can lag a step on 2 cores: give it a few reads.
-        deadline = time.monotonic() + 10
-        while stack.vllm_metric("vllm:num_requests_running") < 1:
-            assert time.monotonic() < deadline, "vLLM never showed the stream as running"
-            time.sleep(0.2)
+    # (No look at vLLM's running gauge here: each read takes a docker exec, about as long as the
+    # tiny model needs for the whole answer on 2 cores. The token count below is the proof.)
     # Closing the response closed the socket; vLLM must abort the request, not finish 3500 tokens.
     deadline = time.monotonic() + 15
     while stack.vllm_metric("vllm:num_requests_running") > 0:
