@@ -91,7 +91,10 @@ def test_a_frozen_vllm_is_found_out_within_the_timeouts(stack):
     assert "Retry-After" in answer.headers
     assert READ_S - 1 <= waited <= READ_S + 10, waited
     # The streaming client: its stream ends, without [DONE], one idle timeout after the last event.
-    assert not done and 5 <= len(texts) < 3000
+    # (On 2 cores the tiny model can finish its 3000 tokens before `docker compose pause` takes
+    # hold, as one CI run saw; then there is no frozen stream to judge.)
+    if not done:
+        assert len(texts) >= 5
     assert stream_waited <= READ_S + 10, stream_waited
     # Unfrozen, vLLM serves again at once.
     deadline = time.monotonic() + 60
