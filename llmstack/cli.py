@@ -63,6 +63,30 @@ def add_output_arguments(parser: argparse.ArgumentParser, name: str, chart: bool
         parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
 
 
+def read_saved_run(path: str | Path) -> dict:
+    """A benchmark's saved JSON (for --render): a one-line error when it is missing or not JSON."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--render {path}: {err}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--render {path}: not a saved run (a JSON object)")
+    return data
+
+
+def render_saved_run(argv: list[str], chart: Callable[[dict, Path], None], render: Callable[[dict], str]) -> int | None:
+    """`--render FILE` as a benchmark's only arguments: its chart again beside FILE and its tables
+    printed, nothing measured. None when argv asks for something else."""
+    if not argv or argv[0] != "--render":
+        return None
+    if len(argv) != 2:
+        raise UsageError("--render takes the path of a run's JSON and nothing else")
+    summary = read_saved_run(argv[1])
+    chart(summary, Path(argv[1]).with_suffix(".png"))
+    print(render(summary), end="")
+    return 0
+
+
 def run(prog: str, main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Call main(argv) under the error convention above; returns the exit code."""
     try:

@@ -53,6 +53,7 @@ from llmstack.cli import (
     main_exit,
     parser_from_doc,
     progress,
+    render_saved_run,
     results_path,
     save_chart,
     write_json,
@@ -547,13 +548,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--render":
-        if len(argv) != 2 or not Path(argv[1]).is_file():
-            raise UsageError("--render takes the path of a run's JSON")
-        summary = json.loads(Path(argv[1]).read_text())
-        chart(summary, Path(argv[1]).with_suffix(".png"))
-        print(render(summary), end="")
-        return 0
+    rendered = render_saved_run(argv, chart, render)
+    if rendered is not None:
+        return rendered
     args = parse_args(argv)
     key = read_key(args.api_key_file)
     where = Where(args)
