@@ -112,7 +112,7 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
         ("benchmarks/gateway_overhead.py", ["--api-key-file", "/nonexistent"], "--api-key-file /nonexistent"),
         ("benchmarks/noisy_neighbour.py", ["--key-a-file", "/nonexistent", "--key-b-file", "/x"], "no such file"),
         ("benchmarks/noisy_neighbour.py", ["--key-b-file", "/x"], "--key-a-file"),
-        ("benchmarks/noisy_neighbour.py", ["--render", "/nonexistent.json"], "--render takes"),
+        ("benchmarks/noisy_neighbour.py", ["--render", "/nonexistent.json"], "--render /nonexistent.json: "),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(script, args, message):
