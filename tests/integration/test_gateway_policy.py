@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from llmstack import apikeys
-from llmstack.sse import ApiClient
+from llmstack.sse import ApiClient, iter_sse_data
 from llmstack.stats import percentile
 
 MODEL = "tiny-qwen3"
@@ -228,11 +228,8 @@ def test_a_quiet_key_is_served_while_a_noisy_key_sends_its_worst(stack):
 
 
 def sse_events(response: requests.Response) -> list[dict]:
-    events = []
-    for line in response.iter_lines(decode_unicode=True):
-        if line.startswith("data: ") and line != "data: [DONE]":
-            events.append(json.loads(line[6:]))
-    return events
+    chunks = response.iter_content(chunk_size=None)
+    return [json.loads(data) for _, data in iter_sse_data(chunks) if data != b"[DONE]"]
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
