@@ -127,6 +127,7 @@ for _stem in (
     "gateway-overhead-cpu-previous-gateway",
     "gateway-overhead-h200",
     "gateway-overhead-h200-before-fixes",
+    "gateway-overhead-h200-one-client-6-repeats",
     "gateway-overhead-h200-no-body-filter",
     "gateway-overhead-h200-flush",
 ):
