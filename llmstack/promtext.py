@@ -6,6 +6,9 @@ keeps histogram buckets apart by `le`), which is what the cross-checks between t
 
 from __future__ import annotations
 
+import socket
+import urllib.parse
+import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -33,6 +36,26 @@ def parse(text: str) -> list[Sample]:
         ]
     except (ValueError, TypeError, IndexError) as err:
         raise MetricsFormatError(f"not Prometheus text format: {err}") from err
+
+
+def fetch(url: str, timeout: float) -> str:
+    """A /metrics page. Where the URL's host name stands for several addresses (every vLLM replica
+    under one network alias), the pages of all of them, one after another: `parse`, `total` and
+    `Snapshot` then sum over the replicas."""
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    infos = socket.getaddrinfo(parts.hostname or "", port, type=socket.SOCK_STREAM)
+    addresses = sorted({str(info[4][0]) for info in infos})
+    if len(addresses) <= 1:
+        urls = [url]
+    else:
+        hosts = [f"[{a}]" if ":" in a else a for a in addresses]
+        urls = [urllib.parse.urlunsplit(parts._replace(netloc=f"{host}:{port}")) for host in hosts]
+    pages = []
+    for one in urls:
+        with urllib.request.urlopen(one, timeout=timeout) as response:
+            pages.append(response.read().decode())
+    return "\n".join(pages)
 
 
 def parse_family(text: str, name: str) -> list[Sample]:

@@ -112,6 +112,11 @@ def components(versions: dict[str, str], pins: dict[str, str]) -> list[tuple[str
             Probe(image("vllm"), vllm_version, VERSION),
         ),
         ("vLLM, air-gapped GPU image", versions["VLLM_VERSION"], Probe(image("vllm-cuda"), vllm_version, VERSION)),
+        (
+            "vllm-router",
+            versions["VLLM_ROUTER_VERSION"],
+            Probe(image("router"), ("python3", "-c", "import vllm_router; print(vllm_router.__version__)"), VERSION),
+        ),
         ("nginx", versions["NGINX_VERSION"], Probe(image("nginx"), ("nginx", "-v"), "nginx/" + VERSION)),
         (
             "njs (nginx's JavaScript module)",

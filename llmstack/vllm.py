@@ -7,6 +7,7 @@ Also what vLLM tells about itself: its startup log's figures, the served model a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from llmstack.cli import StackError, UsageError
 from llmstack.promtext import Sample
 
 VLLM_PORT = 8000
+REPLICA_SERVICE = re.compile(r"^vllm(-[0-9]+)?$")
 GiB = 1024**3
 
 
@@ -101,6 +103,14 @@ class ComposeStack:
             message = (result.stderr.strip().splitlines() or ["no output"])[-1]
             raise StackError(f"`docker compose {' '.join(args[:2])}` failed: {message}")
         return result.stdout
+
+    def replicas(self) -> list[str]:
+        """The stack's vLLM replica services: vllm, vllm-2, ... (llmstack.replicas)."""
+        names = self.run("config", "--services").split()
+        return sorted((n for n in names if REPLICA_SERVICE.match(n)), key=lambda n: (len(n), n))
+
+    def replica(self, service: str) -> ComposeStack:
+        return dataclasses.replace(self, service=service)
 
     def logs(self) -> str:
         return self.run("logs", "--no-color", "--no-log-prefix", self.service, timeout=120)

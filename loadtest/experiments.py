@@ -74,8 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefix-words", type=int, default=600, help="length of the system prompt in words")
     parser.add_argument(
         "--vllm-metrics-url",
-        default=(os.environ.get("LOADTEST_VLLM_METRICS_URL") or "http://vllm:8000/metrics"),
-        help="vLLM's /metrics for the cross-check; '' to skip (default: %(default)s)",
+        default=(os.environ.get("LOADTEST_VLLM_METRICS_URL") or "http://vllm-replicas:8000/metrics"),
+        help="vLLM's /metrics for the cross-check, summed over every replica the name resolves to; "
+        "'' to skip (default: %(default)s)",
     )
     parser.add_argument(
         "--results",

@@ -7,9 +7,8 @@ taken before and after a phase.
 from __future__ import annotations
 
 import statistics
-import urllib.request
 
-from llmstack.promtext import MetricsFormatError, Snapshot
+from llmstack.promtext import MetricsFormatError, Snapshot, fetch
 from llmstack.sse import RequestRecord
 from llmstack.stats import spread
 from loadtest.step_state import StepWindow, max_overlap, samples_in_step
@@ -34,8 +33,7 @@ def read_snapshot(url: str | None) -> Snapshot | None:
     if not url:
         return None
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return Snapshot.from_text(response.read().decode())
+        return Snapshot.from_text(fetch(url, timeout=5))
     except (OSError, MetricsFormatError):
         return None
 

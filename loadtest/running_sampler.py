@@ -10,7 +10,6 @@ is slow.
 from __future__ import annotations
 
 import time
-import urllib.request
 
 from llmstack import promtext
 from llmstack.cli import main_exit, parser_from_doc
@@ -20,8 +19,8 @@ METRIC = "vllm:num_requests_running"
 
 
 def read_running(url: str) -> float | None:
-    with urllib.request.urlopen(url, timeout=2) as response:
-        return promtext.total(promtext.parse_family(response.read().decode(), METRIC), METRIC)
+    """Summed over every replica the URL's host name stands for."""
+    return promtext.total(promtext.parse_family(promtext.fetch(url, timeout=2), METRIC), METRIC)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,10 +25,13 @@ case "${1:-}" in
     -h|--help) usage; exit 0 ;;
     *) echo "up.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
 esac
+# The last file holds the vLLM replicas beyond the first and the router's list of them, written
+# below from .env (VLLM_GPUS, VLLM_CPU_REPLICAS) by llmstack.replicas.
+replicas_file=.build/compose.replicas.yaml
 case $mode in
-    gpu) compose_file=compose.yaml ;;
-    airgap) compose_file=compose.yaml:compose.airgap.yaml ;;
-    cpu) compose_file=compose.yaml:compose.airgap.yaml:compose.cpu.yaml ;;
+    gpu) compose_file=compose.yaml:$replicas_file ;;
+    airgap) compose_file=compose.yaml:compose.airgap.yaml:$replicas_file ;;
+    cpu) compose_file=compose.yaml:compose.airgap.yaml:compose.cpu.yaml:$replicas_file ;;
 esac
 
 if [[ $mode == gpu ]]; then build=(); else build=(--build); fi
@@ -50,6 +53,8 @@ fi
 if [[ $mode != gpu ]]; then
     .venv/bin/python scripts/build_images.py --variant "$([[ $mode == cpu ]] && echo cpu || echo gpu)"
 fi
+
+.venv/bin/python -m llmstack.replicas --output "$replicas_file"
 
 started=$(date +%s)
 docker compose up -d --wait

@@ -14,7 +14,7 @@ from pathlib import Path
 import requests
 from testcontainers.compose import DockerCompose
 
-from llmstack import REPO_ROOT, apikeys, promtext, secrets
+from llmstack import REPO_ROOT, apikeys, promtext, replicas, secrets
 from llmstack.vllm import ComposeStack
 
 CPU_COMPOSE_FILES = ["compose.yaml", "compose.airgap.yaml", "compose.cpu.yaml"]
@@ -64,6 +64,11 @@ class Stack:
         self.https_port = free_port()
         self.keys: dict[str, str] = {}
         files = os.environ.get("LLM_STACK_COMPOSE_FILES", ":".join(CPU_COMPOSE_FILES)).split(":")
+        # The vLLM replicas beyond the first and the router's list of them (llmstack.replicas), written
+        # by prepare(): two replicas on the CPU path unless extra_settings says otherwise.
+        self.replicas_file = workdir / "compose.replicas.yaml"
+        files = [*files, str(self.replicas_file)]
+        self.replicas: list[str] = []
         # A developer may start part of the stack, e.g. LLM_STACK_SERVICES=nginx,vllm.
         services = services or [s for s in os.environ.get("LLM_STACK_SERVICES", "").split(",") if s] or None
         self.compose_files = files
@@ -110,6 +115,8 @@ class Stack:
             **self.extra_settings,
         }
         self.env_file.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
+        written = replicas.write(settings, [REPO_ROOT / name for name in self.compose_files[:-1]], self.replicas_file)
+        self.replicas = [replica.name for replica in written]
 
     def compose_command(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
         command = [*self.compose.compose_command_property, *args]
@@ -150,19 +157,29 @@ class Stack:
 
     @property
     def vllm(self) -> ComposeStack:
-        """vLLM inside this stack, reached as the lab scripts reach it (llmstack.vllm)."""
-        return ComposeStack(project_name=self.project, compose_files=self.compose_files, env_file=str(self.env_file))
+        """The first vLLM replica, reached as the lab scripts reach it (llmstack.vllm)."""
+        return self.replica("vllm")
+
+    def replica(self, service: str) -> ComposeStack:
+        """One vLLM replica's own server, from inside its container (its port is not published)."""
+        return ComposeStack(
+            project_name=self.project, compose_files=self.compose_files, env_file=str(self.env_file), service=service
+        )
 
     def vllm_get(self, path: str) -> str:
-        """GET a path on vLLM directly, from inside its container (its port is not published)."""
+        """GET a path on the first vLLM replica directly."""
         return self.vllm.get(path)
 
-    def vllm_metric(self, name: str) -> float:
-        """Sum of a vLLM metric's samples (all label sets)."""
-        value = promtext.total(self.vllm.metrics(), name)
+    def replica_metric(self, service: str, name: str) -> float:
+        """Sum of one replica's samples of a vLLM metric (all label sets)."""
+        value = promtext.total(self.replica(service).metrics(), name)
         if value is None:
-            raise KeyError(f"vLLM exports no metric {name}")
+            raise KeyError(f"{service} exports no metric {name}")
         return value
+
+    def vllm_metric(self, name: str) -> float:
+        """Sum of a vLLM metric's samples over every replica: what vLLM as a whole counted."""
+        return sum(self.replica_metric(service, name) for service in self.replicas)
 
     def locust_swarm(
         self, user_classes: list[str], users: int, seconds: float, host: str = "http://nginx:8080"

@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--vllm-log", help="vLLM's output since its start, for the memory report (optional)")
     parser.add_argument(
+        "--vllm-metrics-url",
+        help="vLLM's /metrics for the cross-checks (default: DIRECT/metrics). With several replicas behind "
+        "the gateway, a name that resolves to all of them, e.g. http://vllm-replicas:8000/metrics (summed)",
+    )
+    parser.add_argument(
         "--levels",
         help="concurrency levels, comma-separated (default: 1, 2, 4, ... "
         "until throughput stops growing, at most --max-level)",
@@ -199,7 +204,7 @@ class Harness:
             "--api-key-file",
             self.args.api_key_file,
             "--vllm-metrics-url",
-            self.args.direct + "/metrics",
+            self.args.vllm_metrics_url or self.args.direct + "/metrics",
             "--results",
             str(results),
             *options,

@@ -284,10 +284,14 @@ class GatewayLog(threading.Thread):
 
 
 def vllm_finished(stack: ComposeStack) -> float:
-    value = promtext.total(stack.metrics(), "vllm:request_success_total")
-    if value is None:
-        raise StackError("vLLM exports no vllm:request_success_total")
-    return value
+    """Requests vLLM finished, summed over every replica."""
+    total = 0.0
+    for service in stack.replicas() or [stack.service]:
+        value = promtext.total(stack.replica(service).metrics(), "vllm:request_success_total")
+        if value is None:
+            raise StackError(f"{service} exports no vllm:request_success_total")
+        total += value
+    return total
 
 
 def chart(summary: dict, path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import socket
+import subprocess
 import time
 
 import openai
@@ -194,7 +195,8 @@ def test_malformed_requests_get_json_errors(stack, data, status, code):
 
 
 def test_vllm_errors_pass_through_unchanged(stack):
-    payload = {"model": MODEL, "prompt": "hi", "max_tokens": -5}
+    # A prompt longer than the model's context: only vLLM (it tokenizes) can tell.
+    payload = {"model": MODEL, "prompt": "hi " * 6000, "max_tokens": 5}
     through_gateway = requests.post(stack.url("/v1/completions"), headers=stack.auth(), json=payload, timeout=30)
     script = (
         "import json, urllib.request, urllib.error\n"
@@ -206,7 +208,17 @@ def test_vllm_errors_pass_through_unchanged(stack):
     direct_status, direct_body = stack.exec("vllm", "python3", "-c", script).split("\n", 1)
     assert through_gateway.status_code == int(direct_status) == 400
     assert through_gateway.json() == json.loads(direct_body)
-    assert "max_tokens" in through_gateway.text
+    assert "context length" in through_gateway.text
+
+    # A body the router cannot read into the API's types: its 422 (plain text) becomes a JSON 400.
+    unreadable = requests.post(
+        stack.url("/v1/completions"),
+        headers=stack.auth(),
+        json={"model": MODEL, "prompt": "hi", "max_tokens": -5},
+        timeout=30,
+    )
+    assert unreadable.status_code == 400
+    assert error_body(unreadable)["code"] == "invalid_request_body"
 
     unknown_model = requests.post(
         stack.url("/v1/completions"),
@@ -287,7 +299,8 @@ def test_rate_limit_is_per_key_with_retry_after(stack):
 
 def test_concurrent_request_limit_per_key(stack):
     limit = 8
-    payload = {"model": MODEL, "prompt": "Keep going", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    # Long enough that none has ended before the ninth is sent, with two replicas generating.
+    payload = {"model": MODEL, "prompt": "Keep going", "max_tokens": 4000, "stream": True, "ignore_eos": True}
     open_streams, readers = [], []
     try:
         for _ in range(limit):
@@ -383,10 +396,15 @@ def test_vllm_down_or_loading_gives_json_error_at_once(stack):
         assert "Retry-After" in response.headers
         assert elapsed < 6, elapsed
 
-    stack.compose_command("kill", "vllm")
-    assert_unavailable_at_once()
-    # Started again, vLLM loads its model for a minute before it listens: still an error at once.
-    stack.compose_command("start", "vllm")
+    # Every replica down (one down is test_scale_out.py's): the router has none to send to. Plain
+    # docker, as an outage would: compose would act on the services that depend on the replicas.
+    replicas = [stack.compose_command("ps", "-q", replica).stdout.strip() for replica in stack.replicas]
+    subprocess.run(["docker", "kill", *replicas], check=True, capture_output=True, timeout=60)
+    try:
+        assert_unavailable_at_once()
+    finally:
+        # Started again, vLLM loads its model for a minute before it listens: still an error at once.
+        subprocess.run(["docker", "start", *replicas], check=True, capture_output=True, timeout=60)
     assert_unavailable_at_once()
     # Once vLLM has loaded again, the gateway serves again, with nothing restarted by hand.
     deadline = time.monotonic() + 300

@@ -372,7 +372,7 @@ def test_a_key_in_the_query_string_is_refused_and_never_logged(stack, query):
     response = requests.get(stack.url("/v1/models?" + query.format(key=key)), headers=stack.auth(), timeout=10)
     assert error_of(response, 400)["code"] == "credentials_in_query"
     time.sleep(0.5)
-    logs = stack.compose_command("logs", "--no-color", "nginx", "vllm").stdout
+    logs = stack.compose_command("logs", "--no-color", "nginx", "router", *stack.replicas).stdout
     assert key not in logs
 
 
@@ -398,7 +398,7 @@ def test_a_query_string_never_reaches_vllm_and_429s_log_no_request_line(stack):
         )
     assert 429 in statuses
     time.sleep(1)
-    assert marker not in stack.compose_command("logs", "--no-color", "vllm").stdout
+    assert marker not in stack.compose_command("logs", "--no-color", "router", *stack.replicas).stdout
     nginx_output = stack.compose_command("logs", "--no-color", "nginx").stdout
     assert "limiting requests" not in nginx_output and marker not in nginx_output
 

@@ -22,6 +22,11 @@ SMALL_CACHE_SETTINGS = {
     "MAX_MODEL_LEN": "2048",
     "VLLM_EXTRA_ARGS": "--num-gpu-blocks-override 24",
     "MAX_CONCURRENT_REQUESTS_PER_KEY": "64",
+    # One replica: preemption.py reads the preemptions of the `vllm` service, and the burst must
+    # all reach that one cache.
+    "VLLM_CPU_REPLICAS": "1",
+    # A preempted or queued stream can get no byte for longer than the test stacks' 8 s.
+    "UPSTREAM_STREAM_IDLE_TIMEOUT": "120s",
 }
 
 

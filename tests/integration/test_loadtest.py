@@ -13,7 +13,9 @@ import requests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LEVELS = [1, 2, 4, 8]
-MAX_TOKENS = 64
+# Long enough that the run stays under the test stack's per-key rate (20/s, burst 20) with two
+# replicas answering: at 64 tokens one run of two got a 429.
+MAX_TOKENS = 160
 
 
 def run_experiments(stack, *args: str, timeout: float = 900):
@@ -251,6 +253,9 @@ def test_gateway_vs_direct_benchmark_runs_in_the_stack(stack):
         "http://nginx:8080",
         "--direct",
         "http://vllm:8000",
+        # The gateway's requests reach both replicas: their counts, summed.
+        "--vllm-metrics-url",
+        "http://vllm-replicas:8000/metrics",
         "--api-key-file",
         "/run/secrets/loadtest_api_key",
         "--levels",

