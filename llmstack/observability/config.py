@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
 
-from llmstack import REPO_ROOT
+from llmstack import REPO_ROOT, replicas
 
 # --- Scraping ----------------------------------------------------------------------------------
 SCRAPE_INTERVAL_SECONDS = 5
@@ -21,8 +21,26 @@ RATE_WINDOW = "1m"
 
 DATASOURCE_UID = "llm-stack-prometheus"
 
-# --- Selectors ---------------------------------------------------------------------------------
+# --- Replicas and the router ------------------------------------------------------------------
 VLLM_JOB = "vllm"
+
+
+def replica_services() -> tuple[str, ...]:
+    """The compose service of each replica the stack can run (llmstack/replicas.py names them:
+    vllm, vllm-2, ...); Prometheus looks each up by DNS, so one that is not running is simply no
+    target, and each replica's instance label is its service name."""
+    return tuple(replicas.replica_name(index) for index in range(replicas.MAX_REPLICAS))
+
+
+VLLM_PORT = replicas.PORT
+ROUTER_JOB = "router"
+ROUTER_METRICS_PORT = 29000
+"""vllm-router's --prometheus-port default (it binds 127.0.0.1 unless --prometheus-host says otherwise)."""
+ROUTER_WORKER_PATTERN = r"https?://([^:/]+).*"
+"""The router labels its series with the worker's URL (worker="http://vllm-2:8000"); Prometheus
+copies the host into `replica`, the value the replica's own instance label has."""
+
+# --- Selectors ---------------------------------------------------------------------------------
 DASHBOARD_VLLM = 'model_name=~"$model_name", instance=~"$instance"'
 """Every vLLM query on a dashboard filters by the two menus (their values come from a vllm: metric)."""
 API_ROUTE_MATCHER = 'route=~"/v1/.*"'
@@ -45,6 +63,14 @@ TTFT_OVER_SLO_FOR = "10m"
 GATEWAY_5XX_RATIO = 0.05
 GATEWAY_5XX_WINDOW = "5m"
 GATEWAY_5XX_FOR = "5m"
+REPLICA_DOWN_FOR = VLLM_DOWN_FOR
+ROUTER_DOWN_FOR = "1m"
+LOAD_IMBALANCE_RATIO = 3.0
+"""A replica carrying this many times the mean load (running + waiting) of the others is imbalanced."""
+LOAD_IMBALANCE_MIN_REQUESTS = 8
+"""Requests running + waiting over all replicas below which no imbalance is reported (idle noise)."""
+LOAD_IMBALANCE_WINDOW = "2m"
+LOAD_IMBALANCE_FOR = "10m"
 
 # --- Usage by API key ----------------------------------------------------------------------------
 TOP_KEYS = 10
@@ -168,6 +194,26 @@ VLLM_METRICS = (
     "vllm:cache_config_info",
 )
 """vLLM's own names (the V1 engine's, vLLM 0.32.0) besides its latency histograms above."""
+# vllm-router 0.1.17 (PyPI wheel; src/metrics.rs of github.com/vllm-project/router): every name is
+# in the wheel's vllm_router_rs.abi3.so, and prometheus/tests/recorded/vllm-router-0.1.17.metrics is
+# a page the real 0.1.17 router served (its labels: worker is the worker's URL as given to
+# --worker-urls). Most are made at the first event: retries and errors only after one, running
+# requests and prefix-routing decisions only under cache_aware.
+ROUTER_METRICS = (
+    "vllm_router_requests_total",  # route
+    "vllm_router_request_errors_total",  # route, error_type
+    "vllm_router_retries_total",  # route
+    "vllm_router_retries_exhausted_total",  # route
+    "vllm_router_active_workers",
+    "vllm_router_worker_health",  # worker: 1 healthy, 0 not (after --health-failure-threshold checks)
+    "vllm_router_processed_requests_total",  # worker: every attempt sent, retried ones too
+    "vllm_router_policy_decisions_total",  # policy, worker
+    "vllm_router_prefix_routing_decisions_total",  # policy, stage, outcome (prefix_hit, prefix_miss, ...)
+    "vllm_router_running_requests",  # worker
+    "vllm_router_cb_state",  # worker: circuit breaker 0 closed, 1 open, 2 half open
+    "vllm_router_cb_outcomes_total",  # worker, outcome (success, failure)
+    "vllm_router_cb_state_transitions_total",  # worker, from, to
+)
 DCGM_METRICS = ("DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_GPU_UTIL")
 PROMETHEUS_METRICS = ("up",)
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -175,13 +221,13 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 def source_metric_names() -> set[str]:
     """Every metric name an exporter of the stack writes that a rule or panel may read: vLLM's,
-    the gateway exporter's (declared in its code), the load generator's (read from its code),
-    DCGM's and Prometheus' own. A name outside these and the recording rules is a typo or a
+    the router's, the gateway exporter's (declared in its code), the load generator's (read from
+    its code), DCGM's and Prometheus' own. A name outside these and the recording rules is a typo or a
     metric nobody exports (tests/unit/test_dashboards.py and test_prometheus_rules.py check)."""
     histograms = {f"vllm:{h.name}" for h in (*QUANTILE_HISTOGRAMS, *PHASE_HISTOGRAMS)} | loadtest_histograms()
     names = {f"{name}{suffix}" for name in histograms for suffix in HISTOGRAM_SUFFIXES}
     names |= {f"{name}_total" for name in loadtest_counters()}
-    names |= set(VLLM_METRICS) | set(DCGM_METRICS) | set(PROMETHEUS_METRICS)
+    names |= set(VLLM_METRICS) | set(ROUTER_METRICS) | set(DCGM_METRICS) | set(PROMETHEUS_METRICS)
     return names | gateway_exporter().GatewayMetrics.metric_names()
 
 

@@ -784,8 +784,160 @@ def throughput_dashboard() -> dict:
     )
 
 
+# --- Dashboard 4: replicas and router -------------------------------------------------------------
+
+ROUTER_REPLICA = 'replica=~"$instance"'
+"""The router's per-worker series carry replica (the worker URL's host, added at scrape time), whose
+values are the replicas' instance labels: the same menu filters both."""
+
+
+def router_rate(metric: str, by: str, selector: str = "") -> str:
+    series = f"{metric}{{{selector}}}" if selector else metric
+    return f"sum by ({by}) (rate({series}[$__rate_interval]))"
+
+
+def replicas_dashboard() -> dict:
+    ratio = config.LOAD_IMBALANCE_RATIO
+    panels = [
+        row("Each replica (vLLM's own metrics)"),
+        timeseries(
+            "KV cache usage per replica",
+            [target(f"max by (instance) (vllm:kv_cache_usage_perc{{{VLLM}}})", "{{instance}}")],
+            "Each replica has a KV cache of its own. Above "
+            f"{percent_text(config.KV_CACHE_FULL_RATIO)} for {config.KV_CACHE_FULL_FOR} fires "
+            "VLLMKVCacheNearlyFull for that replica.",
+            "percentunit",
+            defaults={"min": 0, "max": 1},
+        ),
+        timeseries(
+            "Prefix cache hit rate per replica",
+            [
+                target(
+                    f"sum by (instance) (rate(vllm:prefix_cache_hits_total{{{VLLM}}}[$__rate_interval])) / "
+                    f"sum by (instance) (rate(vllm:prefix_cache_queries_total{{{VLLM}}}[$__rate_interval]))",
+                    "{{instance}}",
+                )
+            ],
+            "Prompt tokens found in each replica's prefix cache / prompt tokens it looked up. Cache-aware "
+            "routing sends a shared prefix to the replica that holds it, so its hit rate should exceed "
+            "round robin's on the same traffic.",
+            "percentunit",
+            defaults={"min": 0, "max": 1},
+        ),
+        timeseries(
+            "Requests running per replica",
+            [target(f"sum by (instance) (vllm:num_requests_running{{{VLLM}}})", "{{instance}}")],
+            "Requests in each replica's running batch.",
+            "short",
+        ),
+        timeseries(
+            "Requests waiting per replica",
+            [target(f"sum by (instance) (vllm:num_requests_waiting{{{VLLM}}})", "{{instance}}")],
+            "Requests in each replica's queue, not yet scheduled: one replica queuing while another has "
+            "none is a routing problem, not a capacity one.",
+            "short",
+        ),
+        timeseries(
+            "Finished requests per second per replica",
+            [target(f"sum by (instance) ({rules.FINISHED_RATE}{{{VLLM}}})", "{{instance}}")],
+            "Requests each replica completed (any finish reason), from vLLM's own counter.",
+            "reqps",
+        ),
+        timeseries(
+            "Share of the requests running and waiting",
+            [
+                target(rules.replica_load_share(VLLM), "{{instance}}"),
+                target(rules.imbalance_share(VLLM), "imbalance bound ({{model_name}})"),
+            ],
+            f"Each replica's share of its model's requests running + waiting (mean over "
+            f"{config.LOAD_IMBALANCE_WINDOW}). Above the bound, a replica carries more than {ratio:g} times "
+            f"the mean of the others; for {config.LOAD_IMBALANCE_FOR}, with at least "
+            f"{config.LOAD_IMBALANCE_MIN_REQUESTS} requests in all, that fires VLLMLoadImbalance.",
+            "percentunit",
+            defaults={"min": 0, "max": 1},
+            overrides=[
+                {
+                    "matcher": {"id": "byRegexp", "options": "imbalance bound.*"},
+                    "properties": [
+                        {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
+                        {"id": "custom.fillOpacity", "value": 0},
+                        {"id": "color", "value": {"mode": "fixed", "fixedColor": "red"}},
+                    ],
+                }
+            ],
+        ),
+        row("Router (vllm-router): its decisions and its view of the replicas"),
+        timeseries(
+            "Requests routed per second, by replica and policy",
+            [
+                target(
+                    router_rate("vllm_router_policy_decisions_total", "replica, policy", ROUTER_REPLICA),
+                    "{{replica}} ({{policy}})",
+                )
+            ],
+            "The router's choices: one per attempt, so a retried request counts once per replica it was sent to.",
+            "reqps",
+            stack=True,
+        ),
+        timeseries(
+            "Replica health and circuit breaker (router's view)",
+            [
+                target(
+                    f"min by (replica) (vllm_router_worker_health{{{ROUTER_REPLICA}}})",
+                    "{{replica}} healthy",
+                ),
+                target(
+                    f"max by (replica) (vllm_router_cb_state{{{ROUTER_REPLICA}}})",
+                    "{{replica}} breaker",
+                ),
+            ],
+            "healthy: 1 while the router's health checks pass, 0 after --health-failure-threshold "
+            "failures (the replica is out of rotation; VLLMReplicaDown). breaker: 0 closed, 1 open "
+            "(failed requests: no traffic until --cb-timeout-duration-secs pass), 2 half open.",
+            "short",
+            defaults={"min": 0, "max": 2},
+        ),
+        timeseries(
+            "Prefix-routing decisions per second (cache_aware)",
+            [
+                target(
+                    router_rate("vllm_router_prefix_routing_decisions_total", "outcome"),
+                    "{{outcome}}",
+                )
+            ],
+            "Under the cache_aware policy, per request: prefix_hit (sent where the prefix is cached), "
+            "prefix_miss, load_imbalance (sent to the least loaded replica instead), missing_tokens (the "
+            "prompt could not be tokenized for the prefix tree). Empty under other policies.",
+            "reqps",
+            stack=True,
+        ),
+        timeseries(
+            "Router retries and errors per second",
+            [
+                target(router_rate("vllm_router_retries_total", "route"), "retry {{route}}"),
+                target(router_rate("vllm_router_retries_exhausted_total", "route"), "retries exhausted {{route}}"),
+                target(router_rate("vllm_router_request_errors_total", "error_type"), "error {{error_type}}"),
+            ],
+            "A retry sends a failed attempt to a replica again (the next one the policy picks); retries "
+            "exhausted and errors (e.g. no_available_workers) reach the client as a 5xx. Empty while "
+            "nothing fails.",
+            "reqps",
+            overrides=[color_override("error no_available_workers", "red")],
+        ),
+    ]
+    return dashboard(
+        "llm-replicas-router",
+        "LLM stack: replicas and router",
+        "Each vLLM replica's KV cache, prefix hit rate, queue and requests, the load balance between "
+        "them, and the router's decisions, health checks, retries and errors.",
+        panels,
+        VLLM_VARIABLES,
+    )
+
+
 DASHBOARDS = {
     "llm-kv-cache.json": kv_cache_dashboard,
     "llm-latency.json": latency_dashboard,
     "llm-throughput-gateway.json": throughput_dashboard,
+    "llm-replicas-router.json": replicas_dashboard,
 }

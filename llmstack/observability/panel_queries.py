@@ -23,7 +23,13 @@ from llmstack import REPO_ROOT
 DASHBOARD_DIR = REPO_ROOT / "grafana" / "dashboards"
 # Metrics only some setups have; a query made only of them may return nothing elsewhere. (The load
 # generator's loadtest_ metrics are not optional: the integration test runs a load test first.)
-OPTIONAL_SOURCES = {"DCGM_": "GPU setup (NVIDIA DCGM exporter)"}
+# The router makes a series at its first event, so these exist only after one.
+OPTIONAL_SOURCES = {
+    "DCGM_": "GPU setup (NVIDIA DCGM exporter)",
+    "vllm_router_prefix_routing_decisions": "the router's cache_aware policy",
+    "vllm_router_retries": "a retry at the router",
+    "vllm_router_request_errors": "an error at the router",
+}
 REGEX_SPECIALS = re.compile(r"([\\^$*+?.()|{}\[\]])")
 # dashboards.quantile_expr: a quantile line hidden at or below its histogram's first bucket.
 BELOW_FIRST_BUCKET = re.compile(r"^(histogram_quantile\(.*\)) > ([0-9.e+-]+)$")
@@ -104,9 +110,10 @@ def load_dashboards() -> dict[str, dict]:
 def optional_reason(expr: str) -> str | None:
     """Why a query may be empty here: every metric it names comes from an optional exporter."""
     names = set(re.findall(r"[A-Za-z_][\w:]*", re.sub(r'"[^"]*"', "", expr)))
-    sources = {reason for prefix, reason in OPTIONAL_SOURCES.items() if any(n.startswith(prefix) for n in names)}
-    if sources and not any("vllm" in n or n.startswith(("gateway_", "nginx_", "llm_stack")) for n in names):
-        return sources.pop()
+    optional = {n: reason for n in names for prefix, reason in OPTIONAL_SOURCES.items() if n.startswith(prefix)}
+    always = [n for n in names - set(optional) if "vllm" in n or n.startswith(("gateway_", "nginx_", "llm_stack"))]
+    if optional and not always:
+        return sorted(optional.values())[0]
     return None
 
 

@@ -47,6 +47,22 @@ TOKEN_RATES = {
     "generation": "instance_model_name:vllm_generation_tokens:rate1m",
 }
 FINISHED_RATE = "instance_model_name_finished_reason:vllm_request_success:rate1m"
+REPLICA_LOAD = f"instance_model_name:vllm_num_requests_running_waiting:avg_over_time_{config.LOAD_IMBALANCE_WINDOW}"
+"""Requests running + waiting per replica, averaged so that a burst is not an imbalance."""
+
+
+def replica_load_share(selector: str = "") -> str:
+    """Each replica's share of its model's requests running + waiting."""
+    load = f"{REPLICA_LOAD}{{{selector}}}" if selector else REPLICA_LOAD
+    return f"{load} / on(model_name) group_left() sum by (model_name) ({load})"
+
+
+def imbalance_share(selector: str = "") -> str:
+    """The share above which a replica carries LOAD_IMBALANCE_RATIO times the mean of the others:
+    x > r * (total - x) / (n - 1) is x / total > r / (n - 1 + r). With one replica it is 1 (never)."""
+    load = f"{REPLICA_LOAD}{{{selector}}}" if selector else REPLICA_LOAD
+    r = config.LOAD_IMBALANCE_RATIO
+    return f"{r} / (count by (model_name) ({load}) - 1 + {r})"
 
 
 def recording_groups() -> list[dict]:
@@ -89,6 +105,19 @@ def recording_groups() -> list[dict]:
                 },
             ],
         },
+        {
+            "name": "vllm_replicas",
+            "rules": [
+                {
+                    "record": REPLICA_LOAD,
+                    "expr": " + ".join(
+                        f"sum by (instance, model_name) "
+                        f"(avg_over_time(vllm:num_requests_{state}[{config.LOAD_IMBALANCE_WINDOW}]))"
+                        for state in ("running", "waiting")
+                    ),
+                }
+            ],
+        },
     ]
 
 
@@ -115,20 +144,43 @@ def alert_groups() -> list[dict]:
     c = config
     api = c.API_ROUTE_MATCHER
     vllm_up = f'up{{job="{c.VLLM_JOB}"}}'
+    # The router's health checks also see a replica whose container is stopped (gone from DNS, so
+    # no scrape target) or whose engine died while /metrics still answers.
+    router_health = (
+        f'label_replace(vllm_router_worker_health{{job="{c.ROUTER_JOB}"}}, "instance", "$1", "replica", "(.+)")'
+    )
+    load = REPLICA_LOAD
     return [
         {
             "name": "vllm",
             "rules": [
-                # No replica answering is one alert without an instance label, whether the
-                # containers are stopped (gone from DNS: no target at all) or starting (a target,
-                # down while the model loads): a restart does not resolve it before vLLM serves.
-                # While others answer, a replica that is down is an alert of its own.
+                # No replica answering, whether the containers are stopped (gone from DNS: no
+                # target at all) or starting (a target, down while the model loads): a restart does
+                # not resolve it before vLLM serves.
                 alert(
                     "VLLMDown",
-                    f"absent({vllm_up} == 1) or ({vllm_up} == 0 and on() (count({vllm_up} == 1) > 0))",
+                    f"absent({vllm_up} == 1)",
                     c.VLLM_DOWN_FOR,
                     "critical",
-                    'vLLM {{ or $labels.instance "(every replica)" }} is not answering /metrics',
+                    "No vLLM replica is answering /metrics",
+                ),
+                # One replica out of rotation while another serves: capacity is down, the API is not.
+                alert(
+                    "VLLMReplicaDown",
+                    f"(min by (instance) ({router_health}) == 0 or min by (instance) ({vllm_up}) == 0) "
+                    f"and on() (count({vllm_up} == 1) > 0)",
+                    c.REPLICA_DOWN_FOR,
+                    "warning",
+                    "vLLM replica {{ $labels.instance }} is out of rotation while others serve",
+                ),
+                alert(
+                    "VLLMLoadImbalance",
+                    f"({replica_load_share()} > on(model_name) group_left() ({imbalance_share()})) "
+                    f"and on(model_name) (sum by (model_name) ({load}) >= {c.LOAD_IMBALANCE_MIN_REQUESTS})",
+                    c.LOAD_IMBALANCE_FOR,
+                    "warning",
+                    "{{ $labels.instance }} carries {{ $value | humanizePercentage }} of the requests running "
+                    "and waiting for {{ $labels.model_name }}",
                 ),
                 alert(
                     "VLLMKVCacheNearlyFull",
@@ -143,7 +195,7 @@ def alert_groups() -> list[dict]:
                     f"sum by (instance, model_name) (increase(vllm:num_preemptions_total[{c.PREEMPTION_WINDOW}])) > 0",
                     c.PREEMPTION_FOR,
                     "warning",
-                    f"vLLM {{{{ $labels.instance }}}} preempted {{{{ $value | humanize }}}} requests in "
+                    f"vLLM replica {{{{ $labels.instance }}}} preempted {{{{ $value | humanize }}}} requests in "
                     f"{c.PREEMPTION_WINDOW}",
                 ),
                 alert(
@@ -162,6 +214,18 @@ def alert_groups() -> list[dict]:
                     "warning",
                     f"TTFT p{round(c.TTFT_ALERT_QUANTILE * 100)} of {{{{ $labels.model_name }}}} is "
                     f"{{{{ $value | humanizeDuration }}}}, over the objective",
+                ),
+            ],
+        },
+        {
+            "name": "router",
+            "rules": [
+                alert(
+                    "RouterDown",
+                    f'up{{job="{c.ROUTER_JOB}"}} == 0',
+                    c.ROUTER_DOWN_FOR,
+                    "critical",
+                    "The router is not answering /metrics: the gateway cannot reach any replica",
                 ),
             ],
         },
@@ -203,19 +267,33 @@ alerting:
         - targets: ["alertmanager:9093"]
 
 scrape_configs:
-  # Every vLLM replica: "vllm" resolves to one address per container (docker compose --scale).
-  # instance becomes "vllm@<container address>" so the dashboards' instance menu says what it is.
+  # Every vLLM replica: the compose services {first_replica} to {last_replica}, each looked up by its
+  # name (a name with no container is no target). instance is the service name: stable across
+  # restarts, and the name the router's worker URLs hold. One container per service: two
+  # containers of a service scaled with --scale would be two targets with one instance label,
+  # whose series clash.
   - job_name: {vllm_job}
     dns_sd_configs:
-      - names: [vllm]
+      - names: [{replicas}]
         type: A
-        port: 8000
+        port: {vllm_port}
         refresh_interval: 15s
     relabel_configs:
-      - source_labels: [__address__]
-        regex: "(.+):8000"
+      - source_labels: [__meta_dns_name]
         target_label: instance
-        replacement: "vllm@$1"
+
+  # vllm-router: requests per worker and policy, prefix-routing decisions, retries, errors and its
+  # health view of each replica. Its series name a replica by URL (worker="http://vllm-2:8000");
+  # replica="vllm-2" is added, the replica's own instance label.
+  - job_name: {router_job}
+    static_configs:
+      - targets: ["router:{router_port}"]
+        labels:
+          instance: router
+    metric_relabel_configs:
+      - source_labels: [worker]
+        regex: "{worker_pattern}"
+        target_label: replica
 
   # The gateway: requests by route/status/key owner and latencies from nginx's access log, plus
   # nginx's connection counters (images/gateway-exporter/gateway_exporter.py, whose port this is).
@@ -286,6 +364,13 @@ def prometheus_yml() -> str:
         scrape_interval=f"{config.SCRAPE_INTERVAL_SECONDS}s",
         scrape_timeout=f"{config.SCRAPE_INTERVAL_SECONDS - 1}s",
         vllm_job=config.VLLM_JOB,
+        replicas=", ".join(config.replica_services()),
+        first_replica=config.replica_services()[0],
+        last_replica=config.replica_services()[-1],
+        vllm_port=config.VLLM_PORT,
+        router_job=config.ROUTER_JOB,
+        router_port=config.ROUTER_METRICS_PORT,
+        worker_pattern=config.ROUTER_WORKER_PATTERN,
         exporter_port=config.gateway_exporter().METRICS_PORT,
     )
 

@@ -1,7 +1,7 @@
 """Alerts reach a person: Prometheus sends its alerts to Alertmanager, which silences the ones a
-vLLM outage causes and notifies the webhook set in .env. End to end: vLLM stopped, the VLLMDown alert
-arrives at a test webhook receiver on the stack's backend network; vLLM started again, the resolved
-notice arrives."""
+vLLM outage causes and notifies the webhook set in .env. End to end: every vLLM replica stopped, the
+VLLMDown alert arrives at a test webhook receiver on the stack's backend network; the replicas started
+again, the resolved notice arrives."""
 
 from __future__ import annotations
 
@@ -45,11 +45,14 @@ def alertmanager_api(stack, path: str):
 
 
 def vllm_answers(stack) -> bool:
-    try:
-        stack.vllm_get("/health")
-    except StackError:
-        return False
-    return True
+    """Some replica serves (VLLMDown is about all of them)."""
+    for replica in stack.replicas:
+        try:
+            stack.replica(replica).get("/health")
+        except StackError:
+            continue
+        return True
+    return False
 
 
 def recreate_alertmanager(stack, settings: dict[str, str]) -> None:
@@ -78,14 +81,14 @@ def test_prometheus_sends_its_alerts_to_alertmanager(stack):
     assert urls == ["http://alertmanager:9093/api/v2/alerts"]
 
 
-def test_vllm_down_silences_the_alerts_it_causes(stack):
+def test_a_replica_down_silences_the_alerts_it_causes(stack):
     """Alerts posted by hand, with an instance of their own (nothing real is affected): the KV
     cache alert of the replica that is down and the latency alert are inhibited; another
     replica's KV cache alert is not."""
-    down = f"vllm@inhibition-test-{uuid.uuid4().hex[:6]}"
+    down = f"vllm-inhibition-test-{uuid.uuid4().hex[:6]}"
     other = f"{down}-other"
     end = (datetime.now(UTC) + timedelta(minutes=3)).strftime("%Y-%m-%dT%H:%M:%SZ")
-    amtool(stack, "alert", "add", "alertname=VLLMDown", f"instance={down}", "severity=critical", f"--end={end}")
+    amtool(stack, "alert", "add", "alertname=VLLMReplicaDown", f"instance={down}", "severity=warning", f"--end={end}")
     for labels in (
         ["alertname=VLLMKVCacheNearlyFull", f"instance={down}", "model_name=inhibition-test"],
         ["alertname=VLLMKVCacheNearlyFull", f"instance={other}", "model_name=inhibition-test"],
@@ -134,14 +137,15 @@ def test_vllm_down_alert_and_its_resolution_reach_the_webhook(stack):
         recreate_alertmanager(stack, {"ALERT_WEBHOOK_URL": f"http://alert-receiver:{RECEIVER_PORT}/alerts", **FAST})
         assert not notifications("firing")
         stopped = time.monotonic()
-        stack.compose_command("kill", "vllm")
+        # Every replica: with one left, the router serves and the alert is VLLMReplicaDown.
+        stack.compose_command("kill", *stack.replicas)
         fired = wait_for("the VLLMDown notification", lambda: notifications("firing"), timeout=240, interval=3)
         fired_after = time.monotonic() - stopped
         assert fired[0]["labels"]["severity"] == "critical"
         assert fired[0]["annotations"]["runbook_url"].endswith("#vllmdown")
 
         started = time.monotonic()
-        stack.compose_command("start", "vllm")
+        stack.compose_command("start", *stack.replicas)
         resolved = wait_for("the resolved notice", lambda: notifications("resolved"), timeout=480, interval=3)
         resolved_after = time.monotonic() - started
         # Resolved means serving again: not a new container that is still loading its model.
@@ -158,5 +162,5 @@ def test_vllm_down_alert_and_its_resolution_reach_the_webhook(stack):
     finally:
         subprocess.run(["docker", "rm", "-f", receiver], capture_output=True, timeout=60)
         # vLLM serving again for any test after this one.
-        stack.compose_command("start", "vllm", check=False)
+        stack.compose_command("start", *stack.replicas, check=False)
         recreate_alertmanager(stack, {})

@@ -117,9 +117,9 @@ def test_all_scrape_targets_are_up(stack, traffic):
         return active if healthy and jobs >= REQUIRED_JOBS else None
 
     active = wait_for("every scrape target up", targets_up, timeout=90)
-    for target in active:
-        if target["labels"]["job"] == "vllm":
-            assert target["labels"]["instance"].startswith("vllm@"), target["labels"]
+    # Each replica is its own target, named after its compose service (the name the router uses).
+    replicas = {target["labels"]["instance"] for target in active if target["labels"]["job"] == "vllm"}
+    assert replicas == set(stack.replicas), replicas
     print("\nscrape targets: " + ", ".join(f"{t['labels']['job']}/{t['labels']['instance']}" for t in active))
 
 

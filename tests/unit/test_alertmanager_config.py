@@ -114,13 +114,14 @@ def matched_alert_names(matchers: list[str], known: set[str]) -> set[str]:
 
 
 def test_inhibition_names_alerts_that_exist():
-    """vLLM down silences the latency and KV cache alerts it causes; a renamed alert breaks this."""
+    """vLLM or a replica down silences the latency, load and KV cache alerts it causes; a renamed
+    alert breaks this."""
     known = alert_names()
     rules = yaml.safe_load(CONFIG.read_text())["inhibit_rules"]
     sources = set().union(*(matched_alert_names(rule["source_matchers"], known) for rule in rules))
     targets = set().union(*(matched_alert_names(rule["target_matchers"], known) for rule in rules))
-    assert sources == {"VLLMDown"} and sources <= known
-    assert {"VLLMTTFTOverSLO", "VLLMKVCacheNearlyFull"} <= targets <= known
+    assert sources == {"VLLMDown", "VLLMReplicaDown"} and sources <= known
+    assert {"VLLMTTFTOverSLO", "VLLMLoadImbalance", "VLLMKVCacheNearlyFull"} <= targets <= known
     # Each regex target matches only whole names that exist (no silent typo).
     for rule in rules:
         for matcher in rule["target_matchers"]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmstack.observability import config, dashboards, promql_checks
+from llmstack.observability import config, dashboards, promql_checks, rules
 from llmstack.observability.panel_queries import BELOW_FIRST_BUCKET, panel_queries
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -69,9 +69,9 @@ def test_generator_help_and_bad_usage(tmp_path):
     assert stale.returncode == 1 and "stale generated files: prometheus/rules/alerts.yml" in stale.stderr
 
 
-def test_three_dashboards_with_fixed_unique_uids():
+def test_four_dashboards_with_fixed_unique_uids():
     uids = [load(path)["uid"] for path in DASHBOARD_FILES]
-    assert len(DASHBOARD_FILES) == 3
+    assert len(DASHBOARD_FILES) == 4
     assert len(set(uids)) == len(uids)
     for path in DASHBOARD_FILES:
         assert load(path)["uid"] == path.stem, "the uid is the file name, so links stay stable"
@@ -122,10 +122,21 @@ def test_vllm_queries_use_current_names_and_both_variables(path):
             # Counters are read with rate()/increase() and end in _total.
             for counter in re.findall(r"(?:rate|increase)\((vllm:\w+)", expr):
                 assert counter.endswith(("_total", "_bucket", "_sum", "_count")), f"{item['title']}: {counter}"
-            if "vllm:" in expr or "vllm_" in expr:
+            # The router's series have no model_name; those per worker are filtered by replica.
+            for name in set(re.findall(r"vllm_router_\w+", expr)) & router_per_worker_metrics():
+                assert dashboards.ROUTER_REPLICA in expr, f"{item['title']}: {name} without the replica menu"
+            vllm_expr = re.sub(r"vllm_router_\w+", "", expr)
+            if "vllm:" in vllm_expr or "vllm_" in vllm_expr:
                 assert "$instance" in expr, f"{item['title']}: vLLM query without $instance: {expr}"
                 if "cache_config_info" not in expr:  # that info metric has no model_name label
                     assert "$model_name" in expr, f"{item['title']}: vLLM query without $model_name: {expr}"
+
+
+def router_per_worker_metrics() -> set[str]:
+    """The router's metrics that carry a worker label, from a page the real router served."""
+    from test_prometheus_rules import recorded_router_samples
+
+    return {s.name for s in recorded_router_samples() if "worker" in s.labels}
 
 
 def recorded_names() -> set[str]:
@@ -258,6 +269,51 @@ def test_the_resolution_check_fails_on_an_unmarked_quantile():
     unmarked = "histogram_quantile(0.5, sum by (le) (rate(vllm:inter_token_latency_seconds_bucket[5m])))"
     assert BELOW_FIRST_BUCKET.match(unmarked) is None
     assert histogram_of(unmarked) == "vllm:inter_token_latency_seconds"
+
+
+def test_replicas_dashboard_shows_each_replica_and_the_routers_decisions():
+    by_title = {p["title"]: p for p in panels(load(GRAFANA_DIR / "dashboards" / "llm-replicas-router.json"))}
+    per_replica = {
+        "KV cache usage per replica": {"vllm:kv_cache_usage_perc"},
+        "Prefix cache hit rate per replica": {"vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"},
+        "Requests running per replica": {"vllm:num_requests_running"},
+        "Requests waiting per replica": {"vllm:num_requests_waiting"},
+        "Finished requests per second per replica": {rules.FINISHED_RATE},
+    }
+    for title, names in per_replica.items():
+        (query,) = by_title[title]["targets"]
+        assert query["expr"].startswith(("max by (instance) (", "sum by (instance) (")), query["expr"]
+        assert promql_checks.metric_names(promql_checks.fill_variables(query["expr"])) == names
+        assert query["legendFormat"] == "{{instance}}"
+    share = by_title["Share of the requests running and waiting"]
+    assert [t["expr"] for t in share["targets"]] == [
+        rules.replica_load_share(config.DASHBOARD_VLLM),
+        rules.imbalance_share(config.DASHBOARD_VLLM),
+    ]
+    assert config.LOAD_IMBALANCE_FOR in share["description"] and "VLLMLoadImbalance" in share["description"]
+    router = {
+        "Requests routed per second, by replica and policy": {"vllm_router_policy_decisions_total"},
+        "Replica health and circuit breaker (router's view)": {"vllm_router_worker_health", "vllm_router_cb_state"},
+        "Prefix-routing decisions per second (cache_aware)": {"vllm_router_prefix_routing_decisions_total"},
+        "Router retries and errors per second": {
+            "vllm_router_retries_total",
+            "vllm_router_retries_exhausted_total",
+            "vllm_router_request_errors_total",
+        },
+    }
+    for title, names in router.items():
+        exprs = [promql_checks.fill_variables(t["expr"]) for t in by_title[title]["targets"]]
+        assert set().union(*(promql_checks.metric_names(e) for e in exprs)) == names, title
+
+
+def test_router_queries_empty_until_an_event_are_marked_optional():
+    """The router makes a series at its first event: with no retry, error or cache_aware decision,
+    the integration test must not count these panels as broken."""
+    queries = {q.legend: q for q in panel_queries() if q.dashboard == "llm-replicas-router"}
+    for legend in ("retry {{route}}", "retries exhausted {{route}}", "error {{error_type}}", "{{outcome}}"):
+        assert queries[legend].optional, legend
+    for legend in ("{{replica}} ({{policy}})", "{{replica}} healthy", "{{replica}} breaker", "{{instance}}"):
+        assert not queries[legend].optional, legend
 
 
 def test_alert_thresholds_in_dashboard_text_come_from_the_config():

@@ -155,6 +155,13 @@ def test_runbook_prose_is_written_once():
 def test_required_alerts_exist():
     expressions = {name: rule["expr"] for name, rule in alert_rules().items()}
     assert 'up{job="vllm"}' in expressions["VLLMDown"]
+    replica_down = promql_checks.metric_names(expressions["VLLMReplicaDown"])
+    assert replica_down == {"up", "vllm_router_worker_health"}, replica_down
+    assert 'count(up{job="vllm"} == 1) > 0' in expressions["VLLMReplicaDown"], "only while another serves"
+    assert rules.REPLICA_LOAD in expressions["VLLMLoadImbalance"]
+    assert f"{config.LOAD_IMBALANCE_RATIO} / " in expressions["VLLMLoadImbalance"]
+    assert expressions["VLLMLoadImbalance"].endswith(f">= {config.LOAD_IMBALANCE_MIN_REQUESTS})")
+    assert expressions["RouterDown"] == 'up{job="router"} == 0'
     assert expressions["VLLMKVCacheNearlyFull"].endswith(f"vllm:kv_cache_usage_perc) > {config.KV_CACHE_FULL_RATIO}")
     assert "vllm:num_preemptions_total" in expressions["VLLMPreemptionsRising"]
     assert "vllm:num_requests_waiting" in expressions["VLLMWaitingQueueGrowing"]
@@ -232,11 +239,15 @@ def test_scrape_jobs_cover_the_stack_and_use_the_exporters_port():
     prometheus = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
     assert prometheus["global"]["scrape_interval"] == f"{config.SCRAPE_INTERVAL_SECONDS}s"
     jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
-    assert {"vllm", "gateway", "prometheus", "dcgm"} <= set(jobs)
+    assert {"vllm", "router", "gateway", "prometheus", "dcgm"} <= set(jobs)
     for job in jobs.values():
         assert "scrape_interval" not in job, f"job {job['job_name']} overrides the global scrape_interval"
-    assert jobs["vllm"]["dns_sd_configs"][0]["names"] == ["vllm"]
-    assert any(r.get("target_label") == "instance" for r in jobs["vllm"]["relabel_configs"])
+    (replicas,) = jobs["vllm"]["dns_sd_configs"]
+    assert replicas["names"] == list(config.replica_services()) and replicas["port"] == config.VLLM_PORT
+    assert jobs["vllm"]["relabel_configs"] == [{"source_labels": ["__meta_dns_name"], "target_label": "instance"}]
+    assert jobs["router"]["static_configs"][0]["targets"] == [f"router:{config.ROUTER_METRICS_PORT}"]
+    (worker,) = jobs["router"]["metric_relabel_configs"]
+    assert worker == {"source_labels": ["worker"], "regex": config.ROUTER_WORKER_PATTERN, "target_label": "replica"}
     assert jobs["gateway"]["static_configs"][0]["targets"] == [
         f"gateway-exporter:{config.gateway_exporter().METRICS_PORT}"
     ]
@@ -245,3 +256,60 @@ def test_scrape_jobs_cover_the_stack_and_use_the_exporters_port():
 def test_objectives_are_bucket_boundaries():
     assert config.SLO_TTFT_P95_SECONDS in config.TTFT.buckets
     assert config.SLO_TPOT_SECONDS in config.TPOT.buckets
+
+
+def recorded_router_samples() -> list:
+    """A /metrics page of the router release versions.env pins (record one when it changes)."""
+    from llmstack import promtext
+    from llmstack.versions import read_versions
+
+    version = read_versions()["VLLM_ROUTER_VERSION"]
+    return promtext.parse((PROMETHEUS_DIR / "tests" / "recorded" / f"vllm-router-{version}.metrics").read_text())
+
+
+def test_router_metric_names_and_labels_are_the_real_routers():
+    """config.ROUTER_METRICS against a page the real vllm-router 0.1.17 served, with the labels the
+    rules and panels read (worker becomes replica at scrape time)."""
+    labels: dict[str, set[str]] = {}
+    for sample in recorded_router_samples():
+        labels.setdefault(sample.name, set()).update(sample.labels)
+    missing = set(config.ROUTER_METRICS) - set(labels)
+    assert not missing, f"not on the recorded page: {sorted(missing)}"
+    for name in ("vllm_router_worker_health", "vllm_router_cb_state", "vllm_router_policy_decisions_total"):
+        assert "worker" in labels[name], name
+    assert {"policy", "worker"} <= labels["vllm_router_policy_decisions_total"]
+    assert "outcome" in labels["vllm_router_prefix_routing_decisions_total"]
+    assert "route" in labels["vllm_router_retries_total"] & labels["vllm_router_retries_exhausted_total"]
+    assert "error_type" in labels["vllm_router_request_errors_total"]
+
+
+@pytest.mark.parametrize(
+    ("worker", "replica"),
+    [
+        ("http://vllm:8000", "vllm"),
+        ("http://vllm-2:8000", "vllm-2"),
+        ("https://vllm-8:8000/", "vllm-8"),
+        ("http://vllm-3", "vllm-3"),
+    ],
+)
+def test_the_routers_worker_url_becomes_the_replicas_instance_name(worker, replica):
+    # Prometheus anchors relabel regexes at both ends, as fullmatch does (RE2 and re agree here).
+    match = re.fullmatch(config.ROUTER_WORKER_PATTERN, worker)
+    assert match and match.expand(r"\1") == replica
+    assert replica in config.replica_services()
+
+
+def test_prometheus_looks_up_every_replica_the_stack_can_run():
+    from llmstack import replicas
+
+    names = config.replica_services()
+    assert names[:3] == ("vllm", "vllm-2", "vllm-3") and len(names) == replicas.MAX_REPLICAS
+    for name in names:
+        # The URL the router is given for this replica names it back as its instance label.
+        match = re.fullmatch(config.ROUTER_WORKER_PATTERN, replicas.Replica(name).url)
+        assert match and match.group(1) == name
+
+
+def test_every_recorded_worker_gets_a_replica_label():
+    workers = {s.labels["worker"] for s in recorded_router_samples() if "worker" in s.labels}
+    assert workers and all(re.fullmatch(config.ROUTER_WORKER_PATTERN, w) for w in workers), workers
