@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         f"burst: {args.concurrency} concurrent requests of ~{per_request} tokens "
         f"(demand {per_request * args.concurrency:,} tokens, capacity {capacity:,}) ..."
     )
+    before_burst = stack.metrics()
     poller = MetricsPoller(stack, args.poll_interval, max_polls=int(args.timeout / args.poll_interval) + 10)
     poller.start()
     start = time.perf_counter()
@@ -210,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     poller.join(timeout=30)
     after = stack.metrics()
     preemptions = (promtext.total(after, "vllm:num_preemptions_total") or 0.0) - preemptions_before
+    # vLLM's own queue-time histogram over the burst: the polled gauge can miss a queue when the
+    # host is too busy to poll often, this cannot.
+    queued = {
+        part: (promtext.total(after, f"vllm:request_queue_time_seconds_{part}") or 0.0)
+        - (promtext.total(before_burst, f"vllm:request_queue_time_seconds_{part}") or 0.0)
+        for part in ("sum", "count")
+    }
 
     completed = [r for r in burst if r["completed"]]
     timeline = poller.samples
@@ -227,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         "failed": len(burst) - len(completed),
         "max_running": max((p["num_requests_running"] or 0 for p in timeline), default=None),
         "max_waiting": max((p["num_requests_waiting"] or 0 for p in timeline), default=None),
+        "mean_queue_seconds": queued["sum"] / queued["count"] if queued["count"] else None,
         "max_kv_cache_usage": max((p["kv_cache_usage_perc"] or 0 for p in timeline), default=None),
         "baseline_ttft_ms": summary([s.ttft_ms for s in baseline]),
         "burst_ttft_ms": summary([r["ttft_ms"] for r in completed]),
@@ -268,6 +277,8 @@ def print_report(r: dict) -> None:
             f"Most running at once:    {r['max_running']:.0f}    most waiting: {r['max_waiting']:.0f}    "
             f"peak KV cache usage: {100 * r['max_kv_cache_usage']:.0f} %"
         )
+    if r.get("mean_queue_seconds") is not None:
+        print(f"Mean time in vLLM's queue (vllm:request_queue_time_seconds): {r['mean_queue_seconds']:.2f} s")
     if r["poll_error"]:
         print(f"(metric polling stopped: {r['poll_error']})")
     b, c = r["baseline_ttft_ms"], r["burst_ttft_ms"]

@@ -189,6 +189,8 @@ def test_preemption_when_concurrency_exceeds_the_kv_cache(small_cache_stack, tmp
     assert all(r["output_tokens"] == 400 for r in report["burst"])
     assert report["preemptions"] > 0
     assert stack.vllm_metric("vllm:num_preemptions_total") - before == report["preemptions"]
-    assert report["max_waiting"] > 0
+    # Requests waited for KV blocks: vLLM's own queue-time histogram says so (the sampled gauge,
+    # max_waiting, can miss a queue on two busy cores).
+    assert report["mean_queue_seconds"] > 0.1
     assert report["burst_ttft_ms"]["p50"] > report["baseline_ttft_ms"]["p50"]
     assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC
