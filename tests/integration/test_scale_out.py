@@ -65,6 +65,16 @@ def worker_health(stack) -> dict[str, float]:
     }
 
 
+def prefix_decisions(stack) -> dict[str, float]:
+    """The cache_aware policy's decisions by outcome (prefix_hit, prefix_miss, missing_tokens, ...)."""
+    decisions: dict[str, float] = {}
+    for sample in router_metrics(stack):
+        if sample.name == "vllm_router_prefix_routing_decisions_total":
+            outcome = sample.labels["outcome"]
+            decisions[outcome] = decisions.get(outcome, 0.0) + sample.value
+    return decisions
+
+
 def wait_for(what: str, check: Callable[[], bool], timeout: float, interval: float = 2) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -146,13 +156,15 @@ def test_both_replicas_serve_requests(stack):
 
 
 def test_cache_aware_routing_keeps_a_prefix_on_one_replica(stack):
-    """Requests sharing a long prefix all go to the replica that has it cached: that replica's own
-    prefix cache hits, the other one sees none of them."""
+    """Requests sharing a long prefix all go to the replica that has it cached: the router says it
+    chose by the prefix (not by a tie), that replica's own prefix cache hits, the other one sees
+    none of them."""
     prefix = f"{uuid.uuid4().hex} " + " ".join(f"rule{i} says be brief." for i in range(120))
     requests_sent = 8
     served_before = per_replica(stack, "vllm:request_success_total")
     hits_before = per_replica(stack, "vllm:prefix_cache_hits_total")
     queries_before = per_replica(stack, "vllm:prefix_cache_queries_total")
+    decisions_before = prefix_decisions(stack)
     for i in range(requests_sent):
         assert complete(stack, f"{prefix} Question {i}: why?").status_code == 200
     served = delta(served_before, per_replica(stack, "vllm:request_success_total"))
@@ -164,6 +176,11 @@ def test_cache_aware_routing_keeps_a_prefix_on_one_replica(stack):
     assert queries[other] == 0 and hits[other] == 0, (queries, hits)
     # All but the first request find the prefix (hundreds of tokens) in that replica's cache.
     assert hits[chosen] / queries[chosen] > 0.6, (hits, queries)
+    decisions = prefix_decisions(stack)
+    decided = {k: v - decisions_before.get(k, 0.0) for k, v in decisions.items()}
+    # The router matched every request after the first against its tree of sent prompts.
+    assert decided.get("prefix_hit", 0) >= requests_sent - 1, decided
+    assert decided.get("missing_tokens", 0) == 0, decided
 
 
 @pytest.mark.destructive
