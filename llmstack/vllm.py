@@ -112,6 +112,16 @@ class ComposeStack:
     def replica(self, service: str) -> ComposeStack:
         return dataclasses.replace(self, service=service)
 
+    def replicas_total(self, name: str, replicas: list[str] | None = None) -> float:
+        """A vLLM metric summed over every replica (all label sets): what vLLM as a whole counted."""
+        total = 0.0
+        for service in replicas or self.replicas() or [self.service]:
+            value = promtext.total(self.replica(service).metrics(), name)
+            if value is None:
+                raise StackError(f"{service} exports no {name}")
+            total += value
+        return total
+
     def logs(self) -> str:
         return self.run("logs", "--no-color", "--no-log-prefix", self.service, timeout=120)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import requests
 from testcontainers.compose import DockerCompose
 
-from llmstack import REPO_ROOT, apikeys, promtext, replicas, secrets
+from llmstack import REPO_ROOT, apikeys, replicas, secrets
 from llmstack.vllm import ComposeStack
 
 CPU_COMPOSE_FILES = ["compose.yaml", "compose.airgap.yaml", "compose.cpu.yaml"]
@@ -172,14 +172,11 @@ class Stack:
 
     def replica_metric(self, service: str, name: str) -> float:
         """Sum of one replica's samples of a vLLM metric (all label sets)."""
-        value = promtext.total(self.replica(service).metrics(), name)
-        if value is None:
-            raise KeyError(f"{service} exports no metric {name}")
-        return value
+        return self.vllm.replicas_total(name, [service])
 
     def vllm_metric(self, name: str) -> float:
         """Sum of a vLLM metric's samples over every replica: what vLLM as a whole counted."""
-        return sum(self.replica_metric(service, name) for service in self.replicas)
+        return self.vllm.replicas_total(name, self.replicas)
 
     def locust_swarm(
         self, user_classes: list[str], users: int, seconds: float, host: str = "http://nginx:8080"

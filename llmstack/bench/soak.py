@@ -35,7 +35,7 @@ from pathlib import Path
 
 import requests
 
-from llmstack import REPO_ROOT, promtext
+from llmstack import REPO_ROOT
 from llmstack.cli import (
     StackError,
     UsageError,
@@ -285,13 +285,7 @@ class GatewayLog(threading.Thread):
 
 def vllm_finished(stack: ComposeStack) -> float:
     """Requests vLLM finished, summed over every replica."""
-    total = 0.0
-    for service in stack.replicas() or [stack.service]:
-        value = promtext.total(stack.replica(service).metrics(), "vllm:request_success_total")
-        if value is None:
-            raise StackError(f"{service} exports no vllm:request_success_total")
-        total += value
-    return total
+    return stack.replicas_total("vllm:request_success_total")
 
 
 def chart(summary: dict, path: Path) -> None:
