@@ -1,1 +1,0 @@
-Unhealthy servers: ["http://127.0.0.1:18002"]
