@@ -57,6 +57,25 @@ if $build && ! command -v mmdebstrap >/dev/null; then
     fi
 fi
 
+# The tests drive a real browser through the Locust UI and capture the gateway's packets.
+if [[ ",$extras," == *,test,* ]]; then
+    missing=()
+    command -v chromium >/dev/null || missing+=(chromium)
+    command -v chromedriver >/dev/null || missing+=(chromium-driver)
+    command -v tshark >/dev/null || missing+=(tshark)
+    if ((${#missing[@]})); then
+        if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+            echo "Installing ${missing[*]} (Debian packages, for the tests)" >&2
+            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+                "${missing[@]}" >/dev/null \
+                || { echo "install-tools: could not install ${missing[*]} with apt-get" >&2; exit 1; }
+        else
+            echo "install-tools: the tests need ${missing[*]}; install them (sudo apt-get install ${missing[*]})" >&2
+            exit 1
+        fi
+    fi
+fi
+
 if [[ -n $extras ]]; then
     [[ -x .venv/bin/python ]] || python3 -m venv .venv \
         || { echo "install-tools: python3 -m venv failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
