@@ -1,16 +1,20 @@
-"""The stack's vLLM, nginx gateway and gateway exporter on a host without Docker, for measurements.
+"""The stack's vLLM replicas, router, nginx gateway and gateway exporter on a host without Docker.
 
 Runs the very commands and config files that the compose files run, so numbers taken here are the
 stack's: vLLM's command line and its defaults are read from compose.yaml and what it includes
 (plus any override files; your environment and .env win, as with compose); nginx gets
 nginx/nginx.conf, nginx/snippets and the templates rendered by the air-gapped image's own
-entrypoint script; the gateway exporter is images/gateway-exporter/gateway_exporter.py. Only
-addresses differ: the service names (vllm, gateway-exporter, nginx) are mapped to 127.0.0.1 in
-/etc/hosts, and secrets go to /run/secrets as compose mounts them, made by the same set-up as
-scripts/up.sh's (llmstack.secrets). Needs root (for /etc/hosts, /etc/nginx, /run/secrets) on a
-throwaway machine.
+entrypoint script; the gateway exporter is images/gateway-exporter/gateway_exporter.py; the router
+runs the router service's command (vllm-router on PATH). Only addresses differ: the service names
+(vllm, router, gateway-exporter, nginx) are mapped to 127.0.0.1 in /etc/hosts; the router listens on
+8000 and the replicas on 8001, 8002, ... (VLLM_GPUS pins replica i to the i-th listed GPU; without it
+they share the visible GPUs: split GPU_MEMORY_UTILIZATION). With --no-router one replica listens on
+8000 itself and nginx reaches it directly (the gateway alone, as before scale-out). Secrets go to
+/run/secrets as compose mounts them, made by the same set-up as scripts/up.sh's (llmstack.secrets).
+Needs root (for /etc/hosts, /etc/nginx, /run/secrets) on a throwaway machine.
 
-  python3 scripts/bare_host.py start --model /path/to/model [--nginx-root DIR] [-f compose.yaml ...]
+  python3 scripts/bare_host.py start --model /path/to/model [--replicas 2] [--nginx-root DIR] [-f ...]
+  python3 scripts/bare_host.py router --policy round_robin [--replicas 1]   # restart the router only
   python3 scripts/bare_host.py stop
 
 The processes outlive this command (their own sessions); logs and pids are in --workdir.
@@ -23,23 +27,32 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
-from llmstack import REPO_ROOT, composefile
+from llmstack import REPO_ROOT, composefile, replicas
 from llmstack.cli import StackError, UsageError, main_exit, parser_from_doc, progress
 from llmstack.secrets import ensure_secrets, read_env_file
 
 PROG = "bare_host.py"
-SERVICE_NAMES = ("vllm", "gateway-exporter", "nginx")
+SERVICE_NAMES = ("vllm", "router", "gateway-exporter", "nginx")
+ROUTER_PORT = 8000
+ROUTER_METRICS_PORT = 29000
+FIRST_REPLICA_PORT = 8001
+PORT_FLAG = re.compile(r"--port \d+")
+# vLLM's KV-cache events (--kv-events): replica i publishes on this port + i, for the router's kv_aware.
+FIRST_KV_EVENTS_PORT = 5557
 HOSTS_MARK = "# llm-stack bare host"
 DEFAULT_WORKDIR = "/tmp/llm-stack"
 SECRETS_DIR = Path("/run/secrets")
@@ -47,8 +60,16 @@ SECRETS_DIR = Path("/run/secrets")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = parser_from_doc(PROG, __doc__)
-    parser.add_argument("action", choices=("start", "stop"))
+    parser.add_argument("action", choices=("start", "router", "stop"))
     parser.add_argument("--model", help="model folder (or Hugging Face id) served as MODEL")
+    parser.add_argument("--replicas", type=int, default=1, help="vLLM replicas behind the router (default: 1)")
+    parser.add_argument("--no-router", action="store_true", help="one replica on 8000, nginx straight to it")
+    parser.add_argument("--policy", help="the router's policy (default: ROUTER_POLICY of the compose files)")
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="replicas publish KV-cache events over ZMQ (needed by the router's kv_aware policy)",
+    )
     parser.add_argument(
         "-f",
         "--compose-file",
@@ -62,6 +83,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.compose_file = [Path(f) for f in (args.compose_file or ["compose.yaml"])]
     if args.action == "start" and not args.model:
         raise UsageError("start needs --model")
+    if not 1 <= args.replicas <= replicas.MAX_REPLICAS:
+        raise UsageError(f"--replicas {args.replicas}: give a number from 1 to {replicas.MAX_REPLICAS}")
+    if args.no_router and args.replicas != 1:
+        raise UsageError("--no-router serves one replica; drop --replicas")
     return args
 
 
@@ -173,24 +198,136 @@ def make_secrets(args: argparse.Namespace, settings: Mapping[str, str]) -> Path:
     return paths["loadtest_api_key"]
 
 
+def with_port(url: str, port: int) -> str:
+    parts = urllib.parse.urlsplit(url)
+    return parts._replace(netloc=f"{parts.hostname}:{port}").geturl()
+
+
+def read_settings(args: argparse.Namespace) -> dict[str, str]:
+    # As compose: the environment wins over .env; MODEL from the command line over both.
+    settings = read_env_file(REPO_ROOT / ".env") | dict(os.environ)
+    return settings | {"MODEL": args.model} if args.model else settings
+
+
+def replica_urls(count: int) -> list[str]:
+    return [f"http://127.0.0.1:{FIRST_REPLICA_PORT + i}" for i in range(count)]
+
+
+def kv_events_config(index: int) -> str:
+    endpoint = f"tcp://*:{FIRST_KV_EVENTS_PORT + index}"
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint})
+
+
+def kv_aware_router_args(count: int) -> str:
+    """The router's kv_aware flags for replicas started with --kv-events: each one's event source."""
+    sources = [
+        f"--kv-event-source {url}=tcp://127.0.0.1:{FIRST_KV_EVENTS_PORT + i}"
+        for i, url in enumerate(replica_urls(count))
+    ]
+    return " ".join([*sources, "--kv-event-block-size 16"])
+
+
+def start_replicas(args: argparse.Namespace, settings: Mapping[str, str], workdir: Path) -> None:
+    spec = composefile.service(args.compose_file, "vllm", settings)
+    if not spec["command"]:
+        raise StackError("the compose files give the vllm service no command")
+    script = spec["command"][0].replace("$$", "$")
+    if not PORT_FLAG.search(script):
+        raise StackError("the vllm service's command has no --port to move the replicas to their own ports")
+    gpus = [g.strip() for g in (settings.get("VLLM_GPUS") or "").split(",") if g.strip()]
+    if gpus and len(gpus) < args.replicas:
+        raise UsageError(f"VLLM_GPUS lists {len(gpus)} GPUs for {args.replicas} replicas")
+    shown = " ".join(f"{k}={v}" for k, v in spec["environment"].items() if k.isupper() and "TOKEN" not in k)
+    progress(f"vLLM: {shown}")
+    ports = [ROUTER_PORT] if args.no_router else [FIRST_REPLICA_PORT + i for i in range(args.replicas)]
+    started = time.monotonic()
+    pending = []
+    for index, port in enumerate(ports):
+        name = replicas.replica_name(index)
+        env = os.environ | spec["environment"] | ({"CUDA_VISIBLE_DEVICES": gpus[index]} if gpus else {})
+        command = PORT_FLAG.sub(f"--port {port}", script)
+        if args.kv_events:
+            command += f" --kv-events-config '{kv_events_config(index)}'"
+        process = spawn(name, ["/bin/sh", "-c", command], workdir, env)
+        pending.append((name, port, process))
+        if not gpus:
+            # Replicas sharing a GPU start one at a time: vLLM sizes its KV cache from the memory
+            # free when it starts, and two profiling at once would each count the other's as taken.
+            wait_replica(spec, name, port, process, args.vllm_timeout, workdir, started)
+    for name, port, process in pending if gpus else []:
+        wait_replica(spec, name, port, process, args.vllm_timeout, workdir, started)
+
+
+def wait_replica(
+    spec: dict, name: str, port: int, process: subprocess.Popen, timeout: float, workdir: Path, started: float
+) -> None:
+    wait_for(with_port(health_url(spec, "vllm"), port), timeout, f"vLLM ({name})", workdir / f"{name}.log", process)
+    progress(f"{name} healthy on port {port} after {time.monotonic() - started:.0f} s")
+
+
+def start_router(
+    args: argparse.Namespace,
+    settings: Mapping[str, str],
+    workdir: Path,
+    name: str = "router",
+    port: int = ROUTER_PORT,
+    metrics_port: int = ROUTER_METRICS_PORT,
+) -> str:
+    """The router service's command over the replicas; another name and ports run a second one
+    beside it (a benchmark comparing policies side by side). Returns its URL."""
+    spec = composefile.service(args.compose_file, "router", settings)
+    if not shutil.which("vllm-router"):
+        raise StackError("vllm-router is not on PATH (pip install vllm-router, version in versions.env)")
+    env = os.environ | spec["environment"] | {"ROUTER_WORKER_URLS": " ".join(replica_urls(args.replicas))}
+    if args.policy:
+        env["ROUTER_POLICY"] = args.policy
+    if env["ROUTER_POLICY"] == "kv_aware":
+        env["ROUTER_EXTRA_ARGS"] = f"{env.get('ROUTER_EXTRA_ARGS', '')} {kv_aware_router_args(args.replicas)}".strip()
+    command = spec["command"][0].replace("$$", "$")
+    command = PORT_FLAG.sub(f"--port {port}", command).replace(
+        f"--prometheus-port {ROUTER_METRICS_PORT}", f"--prometheus-port {metrics_port}"
+    )
+    process = spawn(name, ["/bin/sh", "-c", command], workdir, env)
+    wait_for(with_port(health_url(spec, "router"), port), 120, name, workdir / f"{name}.log", process)
+    progress(f"{name}: {env['ROUTER_POLICY']} over {env['ROUTER_WORKER_URLS']} on port {port}")
+    return f"http://127.0.0.1:{port}"
+
+
+def stop_process(workdir: Path, name: str, timeout: float = 30) -> None:
+    pid_file = workdir / f"{name}.pid"
+    if not pid_file.exists():
+        return
+    pgid = int(pid_file.read_text())
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            break
+        time.sleep(0.2)
+    pid_file.unlink()
+
+
+def restart_router(args: argparse.Namespace) -> int:
+    """The router alone, with another policy or fewer replicas; vLLM and nginx keep running."""
+    workdir = Path(args.workdir)
+    stop_process(workdir, "router")
+    start_router(args, read_settings(args), workdir)
+    return 0
+
+
 def start(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    # As compose: the environment wins over .env; MODEL from the command line over both.
-    settings = read_env_file(REPO_ROOT / ".env") | dict(os.environ) | {"MODEL": args.model}
+    settings = read_settings(args)
     map_service_names()
     key_file = make_secrets(args, settings)
     nginx, nginx_env = prepare_nginx(args, settings)
 
-    vllm_spec = composefile.service(args.compose_file, "vllm", settings)
     exporter_spec = composefile.service(args.compose_file, "gateway-exporter", settings)
     nginx_spec = composefile.service(args.compose_file, "nginx", settings)
-    if not vllm_spec["command"]:
-        raise StackError("the compose files give the vllm service no command")
-    script = vllm_spec["command"][0].replace("$$", "$")
-    shown = " ".join(f"{k}={v}" for k, v in vllm_spec["environment"].items() if k.isupper() and "TOKEN" not in k)
-    progress(f"vLLM: {shown}")
-    vllm = spawn("vllm", ["/bin/sh", "-c", script], workdir, os.environ | vllm_spec["environment"])
     exporter = spawn(
         "gateway-exporter",
         [sys.executable, str(REPO_ROOT / "images/gateway-exporter/gateway_exporter.py")],
@@ -204,16 +341,19 @@ def start(args: argparse.Namespace) -> int:
         workdir / "gateway-exporter.log",
         exporter,
     )
-    started = time.monotonic()
-    wait_for(health_url(vllm_spec, "vllm"), args.vllm_timeout, "vLLM", workdir / "vllm.log", vllm)
-    progress(f"vLLM healthy after {time.monotonic() - started:.0f} s")
+    start_replicas(args, settings, workdir)
+    if not args.no_router:
+        start_router(args, settings, workdir)
     check = subprocess.run([nginx, "-t", "-q"], env=nginx_env, capture_output=True, text=True)
     if check.returncode != 0:
         raise StackError(f"nginx -t: {check.stderr.strip()}")
     nginx_process = spawn("nginx", [nginx, "-g", "daemon off;"], workdir, nginx_env)
     wait_for(health_url(nginx_spec, "nginx"), 30, "nginx", workdir / "nginx.log", nginx_process)
+    backends = "vLLM" if args.no_router else f"router, replicas {', '.join(replica_urls(args.replicas))}"
     print(
-        f"gateway http://127.0.0.1:8080 (key in {key_file}), vLLM http://127.0.0.1:8000, logs in {workdir}/", flush=True
+        f"gateway http://127.0.0.1:8080 (key in {key_file}), {backends} on http://127.0.0.1:{ROUTER_PORT}, "
+        f"logs in {workdir}/",
+        flush=True,
     )
     return 0
 
@@ -229,7 +369,8 @@ def stop(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        return start(args) if args.action == "start" else stop(args)
+        actions = {"start": start, "router": restart_router, "stop": stop}
+        return actions[args.action](args)
     except (OSError, subprocess.CalledProcessError) as err:
         raise StackError(str(err)) from err
 
