@@ -19,7 +19,10 @@ from llmstack import REPO_ROOT
 from llmstack.cli import StackError, UsageError
 from llmstack.secrets import read_env_file
 
-INTERPOLATION = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<default>[^}]*))?\}")
+# The default may hold one level of braces (Grafana's $$__env{...} in compose/stack.yaml).
+INTERPOLATION = re.compile(
+    r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<default>(?:[^{}]|\{[^{}]*\})*))?\}"
+)
 HEALTH_URL = re.compile(r"https?://[^'\"\s]+")
 
 

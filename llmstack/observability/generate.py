@@ -1,5 +1,5 @@
 """Write the stack's monitoring files from llmstack/observability/config.py: the Prometheus rules,
-prometheus.yml, Grafana's datasource and the dashboards' JSON (all committed).
+prometheus.yml (and its Kubernetes variant), Grafana's datasource and the dashboards' JSON (all committed).
 
 Change a threshold, window or objective in config.py (or a panel in dashboards.py), run
 `python3 grafana/dashboards/generate.py`, commit both. `--check` writes nothing and exits 1 when a
@@ -37,6 +37,7 @@ def generated_files(root: Path = REPO_ROOT) -> dict[Path, str]:
     """Every generated file, by its path under `root`, with the text the config makes."""
     files = {root / "prometheus" / "rules" / name: rule_file(name, groups) for name, groups in rules.RULE_FILES.items()}
     files[root / "prometheus" / "prometheus.yml"] = HEADER + rules.prometheus_yml()
+    files[root / "prometheus" / "kubernetes.yml"] = HEADER + rules.prometheus_kubernetes_yml()
     files[root / "grafana" / "provisioning" / "datasources" / "prometheus.yaml"] = HEADER + rules.datasource_yaml()
     for name, build in dashboards.DASHBOARDS.items():
         files[root / "grafana" / "dashboards" / name] = json.dumps(build(), indent=2, ensure_ascii=False) + "\n"

@@ -339,6 +339,40 @@ scrape_configs:
         replacement: "dcgm@$1"
 """
 
+# deploy/kubernetes: the same file but for the vLLM job, whose replicas are pods found through the
+# Kubernetes API (the router's worker URLs hold pod IPs there, so instance is the pod IP).
+KUBERNETES_HEADER = """\
+# Prometheus for the LLM stack on Kubernetes (deploy/kubernetes): prometheus.yml with the vLLM
+# replicas found as pods through the Kubernetes API instead of by compose service name. The other
+# targets are Services named as the compose services; a test keeps the rest equal to prometheus.yml.
+"""
+
+KUBERNETES_VLLM_JOB = """\
+  # Every vLLM replica: the pods of the vllm StatefulSet in Prometheus' own namespace (Kubernetes
+  # service discovery, role pod), on their API port. instance is the pod IP, which is what the
+  # router's worker URLs hold there (worker="http://10.1.2.3:{vllm_port}"); namespace and pod name the pod
+  # (prometheus-adapter maps them to the pod for the autoscaler).
+  - job_name: {vllm_job}
+    kubernetes_sd_configs:
+      - role: pod
+        namespaces:
+          own_namespace: true
+        selectors:
+          - role: pod
+            label: app.kubernetes.io/name={vllm_job}
+    relabel_configs:
+      - source_labels: [__meta_kubernetes_pod_container_port_number]
+        regex: "{vllm_port}"
+        action: keep
+      - source_labels: [__meta_kubernetes_pod_ip]
+        target_label: instance
+      - source_labels: [__meta_kubernetes_namespace]
+        target_label: namespace
+      - source_labels: [__meta_kubernetes_pod_name]
+        target_label: pod
+
+"""
+
 DATASOURCE_YAML = """\
 # The stack's Prometheus, with a fixed uid: every dashboard panel names it by this uid.
 apiVersion: 1
@@ -377,3 +411,13 @@ def prometheus_yml() -> str:
 
 def datasource_yaml() -> str:
     return DATASOURCE_YAML.format(uid=config.DATASOURCE_UID, scrape_interval=f"{config.SCRAPE_INTERVAL_SECONDS}s")
+
+
+def prometheus_kubernetes_yml() -> str:
+    """prometheus.yml for deploy/kubernetes: its header and vLLM job replaced, everything else equal."""
+    text = prometheus_yml()
+    start = text.index("  # Every vLLM replica:")
+    end = text.index("  # vllm-router:")
+    job = KUBERNETES_VLLM_JOB.format(vllm_job=config.VLLM_JOB, vllm_port=config.VLLM_PORT)
+    body = text[text.index("global:") : start] + job + text[end:]
+    return KUBERNETES_HEADER + body

@@ -380,7 +380,9 @@ def test_gateway_routes_protect_prometheus_and_resolve_late():
         text = (routes / f"{name}.conf.template").read_text()
         # A variable in proxy_pass makes nginx resolve per request: the gateway starts without them.
         assert re.search(r"proxy_pass http://\$\w+;", text), name
-        assert "resolver 127.0.0.11" in text
+        # Docker's DNS in compose, the cluster's in Kubernetes: both set by the deployment.
+        assert "resolver ${GATEWAY_RESOLVER} " in text
+        assert f"set ${name}_upstream {name}${{GATEWAY_SERVICE_DOMAIN}}:" in text
 
 
 def test_gpu_panels_compute_from_dcgm_exporter_series(tmp_path):

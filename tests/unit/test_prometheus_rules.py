@@ -91,9 +91,10 @@ def test_the_config_changes_the_rules():
     assert before["VLLMKVCacheNearlyFull"].endswith("> 0.9") and after["VLLMKVCacheNearlyFull"].endswith("> 0.8")
 
 
-def test_config_is_valid():
-    # check config also loads every rule file that rule_files names.
-    result = promtool("check", "config", "/etc/prometheus/prometheus.yml")
+@pytest.mark.parametrize("config_file", ["prometheus.yml", "kubernetes.yml"])
+def test_config_is_valid(config_file):
+    # check config also loads every rule file that rule_files names. kubernetes.yml: deploy/kubernetes's.
+    result = promtool("check", "config", f"/etc/prometheus/{config_file}")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
 
