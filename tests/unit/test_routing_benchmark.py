@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from llmstack.bench import routing, routing_workload
@@ -48,7 +50,7 @@ def test_a_chat_turn_resends_the_whole_previous_turn():
     rows, facts = routing_workload.build(spec("prefix-heavy"), WordTokenizer())
     turns = [r["prompt"] for r in rows if "chat 0 turn" in r["prompt"]]
     assert len(turns) == facts["turns"]
-    for earlier, later in zip(turns, turns[1:], strict=False):
+    for earlier, later in itertools.pairwise(turns):
         assert later.startswith(earlier.removesuffix("\nAssistant:"))
 
 
