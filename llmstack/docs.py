@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmstack import REPO_ROOT
-from llmstack.bench import gateway_overhead, noisy_neighbour, soak
+from llmstack.bench import gateway_overhead, noisy_neighbour, routing, soak
 from llmstack.bench.gateway_report import md_table, memory_table
 from llmstack.bench.loadtest_fidelity import markdown_table as fidelity_table
 from llmstack.cli import StackError, main_exit, parser_from_doc
@@ -133,7 +133,13 @@ for _stem in (
 ):
     GENERATORS[_stem] = Generator(f"{POLICY_RESULTS}/{_stem}.json", gateway_overhead.markdown_table)  # type: ignore[arg-type]
 GENERATORS["soak-cpu"] = Generator("docs/soak/soak-cpu.json", soak.markdown_table)  # type: ignore[arg-type]
-DOCUMENTS = ("README.md", "docs/gpu-results.md", "docs/loadtest.md", "docs/gateway-policy.md", "docs/soak.md")
+for _stem in ("h100", "cpu"):
+    GENERATORS[f"routing-{_stem}"] = Generator(f"docs/routing/{_stem}.json", routing.markdown_table)  # type: ignore[arg-type]
+    GENERATORS[f"routing-{_stem}-targets"] = Generator(f"docs/routing/{_stem}.json", routing.targets_table)  # type: ignore[arg-type]
+DOCUMENTS = (
+    *("README.md", "docs/gpu-results.md", "docs/loadtest.md", "docs/gateway-policy.md", "docs/soak.md"),
+    "docs/routing.md",
+)
 
 
 def regenerate(text: str, root: Path = REPO_ROOT) -> str:

@@ -218,13 +218,14 @@ def kv_events_config(index: int) -> str:
     return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint})
 
 
-def kv_aware_router_args(count: int) -> str:
-    """The router's kv_aware flags for replicas started with --kv-events: each one's event source."""
+def kv_aware_router_args(count: int, model: str) -> str:
+    """The router's kv_aware flags for replicas started with --kv-events: each one's event source,
+    and the model they share (0.1.17 refuses static sources without it)."""
     sources = [
         f"--kv-event-source {url}=tcp://127.0.0.1:{FIRST_KV_EVENTS_PORT + i}"
         for i, url in enumerate(replica_urls(count))
     ]
-    return " ".join([*sources, "--kv-event-block-size 16"])
+    return " ".join([*sources, "--kv-event-block-size 16", f"--kv-event-model {model}"])
 
 
 def start_replicas(args: argparse.Namespace, settings: Mapping[str, str], workdir: Path) -> None:
@@ -282,7 +283,11 @@ def start_router(
     if args.policy:
         env["ROUTER_POLICY"] = args.policy
     if env["ROUTER_POLICY"] == "kv_aware":
-        env["ROUTER_EXTRA_ARGS"] = f"{env.get('ROUTER_EXTRA_ARGS', '')} {kv_aware_router_args(args.replicas)}".strip()
+        model = settings.get("SERVED_MODEL_NAME") or composefile.service(args.compose_file, "vllm", settings)[
+            "environment"
+        ].get("SERVED_MODEL_NAME", "")
+        extra = kv_aware_router_args(args.replicas, model)
+        env["ROUTER_EXTRA_ARGS"] = f"{env.get('ROUTER_EXTRA_ARGS', '')} {extra}".strip()
     command = spec["command"][0].replace("$$", "$")
     command = PORT_FLAG.sub(f"--port {port}", command).replace(
         f"--prometheus-port {ROUTER_METRICS_PORT}", f"--prometheus-port {metrics_port}"

@@ -17,8 +17,9 @@ a difference smaller than the range of either side is "none" (llmstack.stats.dif
 Also (--phases picks; default all):
   router hop   concurrency 1, prefix-light: the first replica directly vs through the router
                (round_robin over idle replicas), interleaved ABBA, --hop-repeats each
-  fault run    cache_aware under load; --kill-after seconds in, the second replica is killed
-               (SIGKILL); requests that failed before their first token vs streams cut
+  fault run    --fault-policy (round_robin: both replicas busy) under load; --kill-after seconds
+               into the load, the second replica is killed (SIGKILL); requests that failed before
+               their first token vs streams cut
 Targets: cache_aware TTFT p50 >= 30% below round_robin on prefix-heavy; within 5% of the best
 policy on prefix-light; the hop <= 1 ms p50.
 
@@ -41,6 +42,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import signal
 import sys
 import threading
@@ -103,6 +105,7 @@ for run in __RUNS__:
     facts = workload["write"](run["workload"], tokenizer, run["dataset"])
     sys.argv = ["vllm", "bench", "serve"] + run["options"] + ["--num-prompts", str(facts["requests"])]
     before = {url: counters(url) for url in __REPLICAS__}
+    open(run["file"] + ".started", "w").close()
     started = time.time()
     try:
         main()
@@ -192,6 +195,9 @@ class BareHost:
         for policy in policies:
             launch.stop_process(self.workdir, f"router-{policy}")
 
+    def exists(self, path: str) -> bool:
+        return Path(path).exists()
+
     def kill_replica(self, index: int) -> None:
         name = launch.replicas.replica_name(index)
         os.killpg(int((self.workdir / f"{name}.pid").read_text()), signal.SIGKILL)
@@ -223,6 +229,13 @@ class ComposeHost:
             raise UsageError("kv_aware needs the replicas' KV-cache events: run it on a bare host (--bare)")
         os.environ["ROUTER_POLICY"] = policy
         self.stack.run("up", "-d", "--no-deps", "--force-recreate", "--wait", "router", timeout=300)
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.stack.run("exec", "-T", self.services[0], "test", "-e", path, timeout=30)
+        except StackError:
+            return False
+        return True
 
     def kill_replica(self, index: int) -> None:
         self.stack.run("kill", self.services[index])
@@ -318,7 +331,7 @@ def run_figures(result: dict) -> dict:
         "replicas": replicas,
         # Weighted by requests: the hit rate the fleet saw.
         "hit_rate": sum(r["hit_rate"] * r["requests"] for r in hits) / total if total else None,
-        "workload": result.get("facts"),
+        "prompts": result.get("facts"),
     }
 
 
@@ -393,28 +406,42 @@ def measure_hop(args: argparse.Namespace, where: BareHost | ComposeHost) -> dict
     p50: dict[str, list[float]] = {"direct": [], "router": []}
     for path, result in zip(paths, results, strict=True):
         p50[path].append(result["median_ttft_ms"])
+    hop = hop_figures(p50) | {"requests_per_run": args.hop_requests}
+    beyond = "beyond" if hop["larger_than_spread"] else "within"
+    progress(f"router hop: {fmt(hop['added_ttft_p50_ms'], 2)} ms TTFT p50 ({beyond} the spread)")
+    return hop
+
+
+def hop_figures(p50: dict[str, list[float]]) -> dict:
+    """The router's added TTFT p50 from each run's p50, direct and through the router."""
     delta, significant = difference(p50["direct"], p50["router"])
-    hop = {
+    return {
         "direct_ttft_p50_ms": p50["direct"],
         "router_ttft_p50_ms": p50["router"],
         "added_ttft_p50_ms": delta,
         "larger_than_spread": significant,
-        "requests_per_run": args.hop_requests,
     }
-    progress(f"router hop: {fmt(delta, 2)} ms TTFT p50 ({'beyond' if significant else 'within'} the spread)")
-    return hop
 
 
 def measure_fault(args: argparse.Namespace, where: BareHost | ComposeHost) -> dict:
     """cache_aware under load; the second replica killed mid-run: who lost what."""
-    where.set_policy("cache_aware")
+    where.set_policy(args.fault_policy)
     run = make_run(args, where.router_url, "prefix-light", args.fault_level, "fault", args.fault_requests)
-    timer = threading.Timer(args.kill_after, where.kill_replica, args=(1,))
-    timer.start()
+    stop = threading.Event()
+
+    def kill_when_started() -> None:
+        # Counted from the start of the load itself, not from vLLM's import and the prompts' making.
+        while not stop.is_set() and not where.exists(run["file"] + ".started"):
+            time.sleep(0.5)
+        if not stop.wait(args.kill_after):
+            where.kill_replica(1)
+
+    killer = threading.Thread(target=kill_when_started, daemon=True)
+    killer.start()
     try:
         result = execute(where, args, [run])[0]
     finally:
-        timer.cancel()
+        stop.set()
     ttfts, errors = result.get("ttfts") or [], result.get("errors") or []
     before_first = sum(1 for t, e in zip(ttfts, errors, strict=False) if e and not t)
     cut = sum(1 for t, e in zip(ttfts, errors, strict=False) if e and t)
@@ -472,12 +499,12 @@ def targets(table: list[dict]) -> list[dict]:
             other = found[(workload, level, "round_robin")]["ttft_p50_ms"]["values"]
             delta, significant = difference(other, values)
             base = spread(other).p50
-            cut = -delta / base if delta is not None and base else None
+            change = delta / base if delta is not None and base else None
             rows.append(
                 {
-                    "target": f"prefix-heavy c={level}: cache_aware TTFT p50 >= 30% below round_robin",
-                    "value": cut,
-                    "met": bool(cut is not None and cut >= 0.30 and significant),
+                    "target": f"prefix-heavy c={level}: cache_aware TTFT p50 vs round_robin, at most -30%",
+                    "value": change,
+                    "met": bool(change is not None and change <= -0.30 and significant),
                     "larger_than_spread": significant,
                 }
             )
@@ -493,8 +520,8 @@ def targets(table: list[dict]) -> list[dict]:
                 excess = aware["ttft_p50_ms"]["p50"] / best["ttft_p50_ms"]["p50"] - 1
                 rows.append(
                     {
-                        "target": f"prefix-light c={level}: cache_aware TTFT p50 within 5% of the best "
-                        f"({best['policy']})",
+                        "target": f"prefix-light c={level}: cache_aware TTFT p50 vs the best ({best['policy']}), "
+                        "at most +5%",
                         "value": excess,
                         "met": excess <= 0.05 or not significant,
                         "larger_than_spread": significant,
@@ -617,8 +644,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hop-repeats", type=int, default=4, help="runs per path for the router hop (default: 4)")
     parser.add_argument("--hop-requests", type=int, default=64, help="requests per hop run (default: 64)")
     parser.add_argument("--fault-level", type=int, default=32, help="clients in the fault run (default: 32)")
-    parser.add_argument("--fault-requests", type=int, default=512, help="requests in the fault run")
-    parser.add_argument("--kill-after", type=float, default=20.0, help="seconds into the fault run (default: 20)")
+    parser.add_argument("--fault-requests", type=int, default=3000, help="requests in the fault run (3000)")
+    parser.add_argument(
+        "--fault-policy",
+        default="round_robin",
+        help="the router's policy in the fault run (default: round_robin, so the killed replica has streams open)",
+    )
+    parser.add_argument("--kill-after", type=float, default=10.0, help="seconds into the fault run's load (10)")
     parser.add_argument("--pause", type=float, default=1.0, help="seconds between runs (default: 1)")
     parser.add_argument("--batch-timeout", type=float, default=3600, help="seconds for one policy's runs")
     parser.add_argument("--seed", type=int, default=23)
@@ -627,6 +659,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--project-name", "-p", default=os.environ.get("COMPOSE_PROJECT_NAME"))
     parser.add_argument("--compose-file", "-f", action="append", help="compose file(s), as for docker compose")
     parser.add_argument("--env-file", help="compose env file (default: .env)")
+    parser.add_argument(
+        "--rebuild-from",
+        nargs=2,
+        metavar=("FOLDER", "LOG"),
+        help="make the summary again from a run's raw result files and its progress log",
+    )
+    parser.add_argument("--fault-result", help="with --rebuild-from: a fault run's summary JSON to take in")
     add_output_arguments(parser, "routing")
     args = parser.parse_args(argv)
     try:
@@ -654,6 +693,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def write_rebuilt(args: argparse.Namespace) -> int:
+    folder, log = Path(args.rebuild_from[0]), Path(args.rebuild_from[1])
+    try:
+        rows, hop = rebuild(folder, log)
+        fault = json.loads(Path(args.fault_result).read_text()) if args.fault_result else None
+    except (OSError, ValueError, KeyError) as err:
+        raise UsageError(f"--rebuild-from: {err}") from None
+    if not rows:
+        raise UsageError(f"--rebuild-from: no progress lines in {log}")
+    table = summarize(rows)
+    summary = {
+        "environment": (fault or {}).get("environment", {}) | {"rebuilt_from": [str(folder), str(log)]},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "output", "chart", "no_chart")},
+        "runs": rows,
+        "table": table,
+        "targets": targets(table),
+        "hop": hop,
+        "fault": (fault or {}).get("fault"),
+    }
+    return finish(args, summary)
+
+
+def finish(args: argparse.Namespace, summary: dict) -> int:
+    """Write the summary and its chart, print the tables (or the JSON)."""
+    output = args.output or results_path("routing.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_json(output, summary)
+    if not args.no_chart and summary["table"]:
+        chart(summary, args.chart or output.with_suffix(".png"))
+    print(json.dumps(summary, indent=2) if args.json else render(summary), end="")
+    progress(f"wrote {output}")
+    return 0
+
+
 def replica_kv_tokens(where: BareHost | ComposeHost) -> int:
     labels = cache_config_labels(where.stack.metrics())
     blocks, size = label_number(labels, "num_gpu_blocks"), label_number(labels, "block_size")
@@ -662,12 +735,42 @@ def replica_kv_tokens(where: BareHost | ComposeHost) -> int:
     return int(blocks * size)
 
 
+PROGRESS_LINE = re.compile(
+    r"repeat (?P<repeat>\d+)/\d+ (?P<policy>\S+)\s+(?P<workload>\S+)\s+c=(?P<level>\d+)\s.*hit rate (?P<hit>\d+|-)%?"
+)
+
+
+def rebuild(folder: Path, log: Path) -> tuple[list[dict], dict | None]:
+    """Rows (and the hop) from a run's raw files: `vllm bench serve`'s result per run
+    (routing-r<repeat>-<policy>-<workload>-c<level>.json) and the fleet's hit rate from the
+    progress log (whole percent). Requests per replica are not in either: left empty."""
+    hits = {}
+    for line in log.read_text(errors="replace").splitlines():
+        found = PROGRESS_LINE.search(line)
+        if found:
+            key = (int(found["repeat"]) - 1, found["policy"], found["workload"], int(found["level"]))
+            hits[key] = None if found["hit"] == "-" else int(found["hit"]) / 100
+    rows = []
+    for (repeat, policy, workload, level), hit in sorted(hits.items()):
+        path = folder / f"routing-r{repeat + 1}-{policy}-{workload}-c{level}.json"
+        result = json.loads(path.read_text())
+        figures = run_figures(result | {"before": {}, "after": {}})
+        figures["hit_rate"] = hit
+        rows.append({"repeat": repeat, "policy": policy, "workload": workload, "level": level, **figures})
+    p50: dict[str, list[float]] = {"direct": [], "router": []}
+    for path in sorted(folder.glob("routing-hop-r*-*.json")):
+        p50[path.stem.rsplit("-", 1)[1]].append(json.loads(path.read_text())["median_ttft_ms"])
+    return rows, hop_figures(p50) if p50["direct"] and p50["router"] else None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rendered = render_saved_run(argv, chart, render)
     if rendered is not None:
         return rendered
     args = parse_args(argv)
+    if args.rebuild_from:
+        return write_rebuilt(args)
     where: BareHost | ComposeHost = BareHost(args) if args.bare else ComposeHost(args)
     model = served_model(where.stack)
     args.model = args.model or model["id"]
@@ -698,14 +801,7 @@ def main(argv: list[str] | None = None) -> int:
         "fault": fault,
         "policies_left_out": getattr(where, "failed", {}),
     }
-    output = args.output or results_path("routing.json")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    write_json(output, summary)
-    if not args.no_chart:
-        chart(summary, args.chart or output.with_suffix(".png"))
-    print(json.dumps(summary, indent=2) if args.json else render(summary), end="")
-    progress(f"wrote {output}")
-    return 0
+    return finish(args, summary)
 
 
 if __name__ == "__main__":

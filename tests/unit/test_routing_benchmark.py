@@ -95,7 +95,7 @@ def test_cache_aware_meets_its_target_only_beyond_the_spread():
         entry("prefix-light", "cache_aware", [20.5, 21.5, 19.5]),
     ]
     verdicts = {t["target"].split(":")[0]: t for t in routing.targets(table)}
-    assert verdicts["prefix-heavy c=8"]["met"] and verdicts["prefix-heavy c=8"]["value"] == pytest.approx(0.48, 0.01)
+    assert verdicts["prefix-heavy c=8"]["met"] and verdicts["prefix-heavy c=8"]["value"] == pytest.approx(-0.48, 0.01)
     assert verdicts["prefix-light c=8"]["met"]
 
 
