@@ -59,6 +59,12 @@ class StepLoadShape(LoadTestShape):
         self.step_started = 0.0
         self.max_step_seconds = float(env.get("LOADTEST_STEP_TIMEOUT_SECONDS") or "600")
 
+    def reset_time(self) -> None:
+        # Locust calls this at each start: a second run from the web UI begins at the first step
+        # again, not where the last one stopped.
+        super().reset_time()
+        self.index = -1
+
     def _begin(self, index: int) -> None:
         self.index = index
         self.step_started = self.get_run_time()
