@@ -166,3 +166,14 @@ def save_chart(plt: Any, fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def parse_levels(text: str) -> list[int]:
+    """--levels: comma-separated positive integers (concurrent clients)."""
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--levels must be comma-separated integers, not {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise UsageError("--levels must be positive integers")
+    return levels

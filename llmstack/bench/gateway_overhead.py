@@ -51,6 +51,7 @@ from llmstack.cli import (
     add_output_arguments,
     load_pyplot,
     main_exit,
+    parse_levels,
     parser_from_doc,
     progress,
     render_saved_run,
@@ -530,12 +531,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--env-file", help="compose env file (default: .env)")
     add_output_arguments(parser, "gateway_overhead")
     args = parser.parse_args(argv)
-    try:
-        args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--levels must be comma-separated integers, not {args.levels!r}") from None
-    if not args.levels or min(args.levels) < 1:
-        raise UsageError("--levels must be positive integers")
+    args.levels = parse_levels(args.levels)
     for name in ("repeats", "prompts_per_client", "min_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from llmstack import REPO_ROOT
 from llmstack.bench.gateway_report import PATHS, charts, render, target_rows
-from llmstack.cli import StackError, UsageError, add_json_argument, main_exit, parser_from_doc, progress
+from llmstack.cli import StackError, UsageError, add_json_argument, main_exit, parse_levels, parser_from_doc, progress
 from llmstack.stats import spread
 from llmstack.vllm import HostVllm, served_model
 
@@ -112,12 +112,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.max_tokens < 2:
         raise UsageError("--max-tokens must be at least 2 (TPOT needs two tokens)")
     if args.levels:
-        try:
-            args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
-        except ValueError:
-            raise UsageError(f"--levels must be comma-separated integers, not {args.levels!r}") from None
-        if not args.levels or min(args.levels) < 1:
-            raise UsageError("--levels must be positive integers")
+        args.levels = parse_levels(args.levels)
     args.skip = {part.strip() for part in args.skip.split(",") if part.strip()}
     unknown = args.skip - {"concurrency", "streaming", "prefix", "latency", "memory"}
     if unknown:

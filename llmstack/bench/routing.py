@@ -60,6 +60,7 @@ from llmstack.cli import (
     add_output_arguments,
     load_pyplot,
     main_exit,
+    parse_levels,
     parser_from_doc,
     progress,
     render_saved_run,
@@ -668,12 +669,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fault-result", help="with --rebuild-from: a fault run's summary JSON to take in")
     add_output_arguments(parser, "routing")
     args = parser.parse_args(argv)
-    try:
-        args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--levels must be comma-separated integers, not {args.levels!r}") from None
-    if not args.levels or min(args.levels) < 1:
-        raise UsageError("--levels must be positive integers")
+    args.levels = parse_levels(args.levels)
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = sorted(set(args.policies) - set(POLICIES))
     if unknown or not args.policies:
