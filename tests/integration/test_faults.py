@@ -57,11 +57,23 @@ def stream_events(stack, max_tokens: int, started: threading.Event | None = None
     return texts, done, time.monotonic() - begin, usage_tokens[-1] if usage_tokens else 0
 
 
+def wait_started(started: threading.Event, streams: list[concurrent.futures.Future], timeout: float) -> None:
+    """Until some stream has its first events; a stream that failed before says why at once
+    (a bare wait would only say that the time ran out)."""
+    deadline = time.monotonic() + timeout
+    while not started.wait(0.5):
+        for stream in streams:
+            if stream.done() and not started.is_set():
+                texts, done, seconds, _ = stream.result()  # raises what failed the stream
+                raise AssertionError(f"a stream ended early: {len(texts)} events, done={done}, {seconds:.1f} s")
+        assert time.monotonic() < deadline, f"no stream had 5 events within {timeout:.0f} s"
+
+
 def test_a_reload_during_streams_cuts_none(stack):
     started = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         streams = [pool.submit(stream_events, stack, 600, started) for _ in range(3)]
-        assert started.wait(60)
+        wait_started(started, streams, 60)
         stack.exec("nginx", "nginx", "-s", "reload")
         results = [f.result() for f in streams]
     for _texts, done, _, tokens in results:
@@ -80,7 +92,7 @@ def test_a_frozen_vllm_is_found_out_within_the_timeouts(stack):
         for _attempt in range(3):
             started = threading.Event()
             streaming = pool.submit(stream_events, stack, 4000, started)
-            assert started.wait(60)
+            wait_started(started, [streaming], 60)
             subprocess.run(["docker", "pause", *vllm], check=True, capture_output=True, timeout=60)
             paused = time.monotonic()
             texts, done, _, _ = streaming.result()
