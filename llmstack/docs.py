@@ -133,7 +133,7 @@ for _stem in (
 ):
     GENERATORS[_stem] = Generator(f"{POLICY_RESULTS}/{_stem}.json", gateway_overhead.markdown_table)  # type: ignore[arg-type]
 GENERATORS["soak-cpu"] = Generator("docs/soak/soak-cpu.json", soak.markdown_table)  # type: ignore[arg-type]
-for _stem in ("h100",):
+for _stem in ("h100", "cpu"):
     GENERATORS[f"routing-{_stem}"] = Generator(f"docs/routing/{_stem}.json", routing.markdown_table)  # type: ignore[arg-type]
     GENERATORS[f"routing-{_stem}-targets"] = Generator(f"docs/routing/{_stem}.json", routing.targets_table)  # type: ignore[arg-type]
 DOCUMENTS = (
