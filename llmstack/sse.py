@@ -197,11 +197,16 @@ def _send(session, base_url, endpoint, body, headers, kind, timeout, **request_k
 
 
 def read_stream(record: RequestRecord, response) -> None:
+    """Reads the stream to its very end, past [DONE]: a read left suspended there closes the
+    connection when it is collected (urllib3), so the next request would pay a TCP connect inside
+    its TTFT (benchmarks/packet_timing.py found every request on a connection of its own)."""
     done = False
     for arrived, data in iter_sse_data(response.iter_content(chunk_size=None)):
+        if done:
+            continue
         if data.strip() == b"[DONE]":
             done = True
-            break
+            continue
         payload = json.loads(data)
         if "error" in payload and not payload.get("choices"):
             raise RuntimeError(f"error event: {str(payload['error'])[:150]}")

@@ -9,6 +9,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import requests
@@ -184,6 +185,35 @@ def test_streamed_request_timing_against_a_real_server():
     # Gaps are resolved to well under a millisecond, not rounded to whole ones.
     assert all(0.003 < gap < 0.05 for gap in record.chunk_gaps)
     assert any(abs(gap * 1000 - round(gap * 1000)) > 0.01 for gap in record.chunk_gaps)
+
+
+class KeepAliveStream(SlowStream):
+    """The same stream over HTTP/1.1 keep-alive (as nginx serves it), noting each client port."""
+
+    protocol_version = "HTTP/1.1"
+    client_ports: ClassVar[list[int]] = []
+
+    def setup(self):
+        super().setup()
+        KeepAliveStream.client_ports.append(self.client_address[1])
+
+
+def test_streams_read_to_their_end_reuse_the_connection():
+    """A read stopped at [DONE] closes its connection when it is collected: each stream would cost
+    a new TCP connection, paid inside the next request's TTFT."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), KeepAliveStream)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    session = requests.Session()
+    body = build_body(COMPLETIONS, "m", "p", None, 10, True)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        records = [send(session, url, COMPLETIONS, body, {}, "stream-completion") for _ in range(3)]
+    finally:
+        session.close()
+        server.shutdown()
+    assert all(record.ok for record in records), [record.error for record in records]
+    assert len(set(KeepAliveStream.client_ports)) == 1, KeepAliveStream.client_ports
 
 
 def test_connection_refused_is_a_failed_record():
