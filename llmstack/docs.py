@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmstack import REPO_ROOT
-from llmstack.bench import gateway_overhead, noisy_neighbour, routing, soak
+from llmstack.bench import gateway_overhead, noisy_neighbour, packet_timing, routing, soak
 from llmstack.bench.gateway_report import md_table, memory_table
 from llmstack.bench.loadtest_fidelity import markdown_table as fidelity_table
 from llmstack.cli import StackError, main_exit, parser_from_doc
@@ -136,6 +136,8 @@ GENERATORS["soak-cpu"] = Generator("docs/soak/soak-cpu.json", soak.markdown_tabl
 for _stem in ("h100", "cpu"):
     GENERATORS[f"routing-{_stem}"] = Generator(f"docs/routing/{_stem}.json", routing.markdown_table)  # type: ignore[arg-type]
     GENERATORS[f"routing-{_stem}-targets"] = Generator(f"docs/routing/{_stem}.json", routing.targets_table)  # type: ignore[arg-type]
+for _stem in ("packet-timing-cpu-before", "packet-timing-cpu"):
+    GENERATORS[_stem] = Generator(f"docs/loadtest/{_stem}.json", packet_timing.tables)  # type: ignore[arg-type]
 DOCUMENTS = (
     *("README.md", "docs/gpu-results.md", "docs/loadtest.md", "docs/gateway-policy.md", "docs/soak.md"),
     "docs/routing.md",
