@@ -514,7 +514,8 @@ def fmt(value: float | None, digits: int = 3, sign: bool = False) -> str:
 def render(result: dict) -> str:
     env, settings = result["environment"], result["settings"]
     head = (
-        f"# Packet timing: {env.get('gateway_url')} on {env.get('interface')}, {env.get('date')}\n\n"
+        f"# Packet timing: {env.get('gateway_url')}, captured on {env.get('interface')} "
+        f"({env.get('capture_filter') or 'the gateway port'}), {env.get('date')}\n\n"
         f"{len(result.get('requests') or [])} streamed completions of {settings.get('max_tokens')} tokens "
         f"({settings.get('model')}), one at a time; {env.get('packets')} packets with payload, "
         f"tshark {env.get('tshark_version')}. Client minus wire in ms (positive: the client is later)."
@@ -597,8 +598,8 @@ def chart(result: dict, path: Path) -> None:
 class Capture:
     """tshark writing the port's packets to a pcapng file while the requests run."""
 
-    def __init__(self, tool: str, interface: str, port: int, file: Path):
-        self.tool, self.interface, self.port, self.file = tool, interface, port, file
+    def __init__(self, tool: str, interface: str, capture_filter: str, file: Path):
+        self.tool, self.interface, self.capture_filter, self.file = tool, interface, capture_filter, file
         self.lines: list[str] = []
         self.started = threading.Event()
         self.process: subprocess.Popen[str] | None = None
@@ -616,7 +617,7 @@ class Capture:
         return useful[-1] if useful else "no output"
 
     def start(self, timeout: float = 20.0) -> None:
-        command = [self.tool, "-i", self.interface, "-f", f"tcp port {self.port}", "-w", str(self.file), "-q"]
+        command = [self.tool, "-i", self.interface, "-f", self.capture_filter, "-w", str(self.file), "-q"]
         try:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -734,6 +735,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--pause", type=float, default=0.2, help="seconds between requests (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="requests before the capture (default: %(default)s)")
     parser.add_argument("--interface", default="lo", help="where tshark captures (default: %(default)s)")
+    parser.add_argument(
+        "--server-port",
+        type=int,
+        help="the port whose answers are timed (default: the gateway's); 8000 with --interface on the "
+        "stack's backend network times vLLM's own socket",
+    )
+    parser.add_argument(
+        "--capture-filter",
+        help="tshark's capture filter (default: tcp port SERVER_PORT); e.g. add 'and (host IP1 or host IP2)' "
+        "for the vLLM replicas where the router listens on the same port",
+    )
     parser.add_argument("--capture-tool", default="tshark", help="tshark's path (default: %(default)s)")
     parser.add_argument("--capture-file", type=Path, help="keep the pcapng here (default: a temporary file)")
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's TTFT histogram (no stack access)")
@@ -746,7 +758,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UsageError("--max-tokens must be at least 2 (inter-token gaps need two tokens)")
     if args.pause < 0:
         raise UsageError("--pause must not be negative")
-    args.port = gateway_port(args.gateway_url)
+    args.port = args.server_port or gateway_port(args.gateway_url)
+    args.capture_filter = args.capture_filter or f"tcp port {args.port}"
     return args
 
 
@@ -784,8 +797,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.capture_file:
             file.parent.mkdir(parents=True, exist_ok=True)
         before = vllm_snapshot(stack) if stack is not None else None
-        capture = Capture(args.capture_tool, args.interface, args.port, file)
-        progress(f"capturing tcp port {args.port} on {args.interface} ({args.capture_tool})")
+        capture = Capture(args.capture_tool, args.interface, args.capture_filter, file)
+        progress(f"capturing '{args.capture_filter}' on {args.interface} ({args.capture_tool})")
         capture.start()
         try:
             records = send_requests(client, args)
@@ -804,6 +817,8 @@ def main(argv: list[str] | None = None) -> int:
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "gateway_url": args.gateway_url,
             "interface": args.interface,
+            "server_port": args.port,
+            "capture_filter": args.capture_filter,
             "tshark_version": version,
             "packets": sum(1 for line in text.splitlines() if not line.endswith("\t")),
             "tcp_streams": len(conversations),
