@@ -325,10 +325,30 @@ def test_the_keys_file_holds_no_usable_key_and_a_plain_file_is_migrated(stack):
 def test_a_reload_drops_no_request_of_a_pooled_client(stack):
     """nginx closes idle keep-alive connections on reload; requests' pool notices a closed idle
     connection before reusing it and opens a new one, and the official SDK retries a connection
-    error: neither sees a failure."""
+    error. A request sent at the very moment its idle connection closes never reaches nginx
+    (HTTP/1.1's keep-alive race: one CI run in several sees it); the SDK retries it, and the plain
+    client here retries it once, as a client should. Then neither sees a failure."""
     failures: list[str] = []
-    served = 0
+    served = retried = 0
     stop = threading.Event()
+
+    def post(session: requests.Session) -> requests.Response:
+        def once() -> requests.Response:
+            return session.post(
+                stack.url("/v1/completions"),
+                json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                headers=stack.auth("streams"),
+                timeout=30,
+            )
+
+        try:
+            return once()
+        except requests.ConnectionError as err:
+            if "RemoteDisconnected" not in repr(err):
+                raise
+            nonlocal retried
+            retried += 1
+            return once()
 
     def pooled_client() -> None:
         nonlocal served
@@ -336,12 +356,7 @@ def test_a_reload_drops_no_request_of_a_pooled_client(stack):
         sdk = openai.OpenAI(base_url=stack.url("/v1"), api_key=stack.keys["streams"])
         while not stop.is_set():
             try:
-                response = session.post(
-                    stack.url("/v1/completions"),
-                    json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
-                    headers=stack.auth("streams"),
-                    timeout=30,
-                )
+                response = post(session)
                 if response.status_code != 200:
                     failures.append(f"HTTP {response.status_code}")
                 sdk.models.list()
@@ -361,6 +376,8 @@ def test_a_reload_drops_no_request_of_a_pooled_client(stack):
         stop.set()
         thread.join(60)
     assert served > 20 and failures == [], failures
+    # The race is rare; a reload that dropped requests it had received would show on every reload.
+    assert retried <= 2, f"{retried} of 5 reloads cut a request"
 
 
 # --- What abuse testing found --------------------------------------------------------------
