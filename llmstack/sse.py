@@ -72,6 +72,12 @@ class RequestRecord:
         return self.output_tokens / self.e2e if self.e2e > 0 and self.ok else None
 
 
+def event_data(event: bytes) -> bytes | None:
+    """The data of one server-sent event (its `data:` lines joined), None if it has none."""
+    data = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(data) if data else None
+
+
 def iter_sse_data(chunks: Iterable[bytes]) -> Iterator[tuple[float, bytes]]:
     """(arrival time, data payload) for each server-sent event in a byte stream.
 
@@ -86,13 +92,13 @@ def iter_sse_data(chunks: Iterable[bytes]) -> Iterator[tuple[float, bytes]]:
         buffer += chunk.replace(b"\r\n", b"\n")
         while b"\n\n" in buffer:
             event, buffer = buffer.split(b"\n\n", 1)
-            data = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
-            if data:
-                yield arrived, b"\n".join(data)
+            data = event_data(event)
+            if data is not None:
+                yield arrived, data
     if buffer.strip():
-        data = [line[5:].lstrip(b" ") for line in buffer.split(b"\n") if line.startswith(b"data:")]
-        if data:
-            yield time.perf_counter(), b"\n".join(data)
+        data = event_data(buffer)
+        if data is not None:
+            yield time.perf_counter(), data
 
 
 def chunk_text(payload: dict) -> str:

@@ -77,7 +77,7 @@ from llmstack.cli import (
     write_json,
 )
 from llmstack.promtext import Snapshot
-from llmstack.sse import COMPLETIONS, ApiClient, RequestRecord, chunk_text
+from llmstack.sse import COMPLETIONS, ApiClient, RequestRecord, chunk_text, event_data
 from llmstack.stats import spread
 from llmstack.vllm import ComposeStack, HostVllm, add_stack_arguments, stack_from_args
 
@@ -318,12 +318,11 @@ def sse_events(body: bytes, times: Sequence[float]) -> list[WireEvent]:
 
 
 def add_event(events: list[WireEvent], text: bytes, when: float) -> None:
-    data = [line[5:].lstrip(b" ") for line in text.split(b"\n") if line.startswith(b"data:")]
-    if not data:
+    payload = event_data(text)
+    if payload is None:
         return
-    payload = b"\n".join(data)
     if any(event.done for event in events):
-        return  # the client stops reading at [DONE]
+        return  # the client ignores what follows [DONE]
     if payload.strip() == b"[DONE]":
         events.append(WireEvent(when, payload, False, True))
         return
