@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from llmstack.cli import add_json_argument, main_exit, parser_from_doc
+from loadtest.settings import SettingsError
 
 PROG = "python -m loadtest.experiments"
 EXPERIMENTS = ("concurrency", "streaming", "prefix")
@@ -83,6 +84,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=(os.environ.get("LOADTEST_RESULTS_DIR") or "results"),
         help="folder for the run's files (default: %(default)s)",
     )
+    parser.add_argument(
+        "--workers",
+        default=(os.environ.get("LOADTEST_WORKERS") or "auto"),
+        help="load generator processes on this host: a number, or auto = one per 16 clients of the "
+        "highest level, at most the usable cores minus one; 1 = this process alone (default: %(default)s)",
+    )
     parser.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
     add_json_argument(parser)
     args = parser.parse_args(argv)
@@ -115,6 +122,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def worker_count(args: argparse.Namespace, levels: list[int]) -> int:
+    from loadtest.distributed import parse_workers
+
+    try:
+        return parse_workers(args.workers, max(levels) if "concurrency" in args.chosen else 1)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Locust patches sockets with gevent; it must come after argument parsing (fast --help) and
@@ -127,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, levels: list[int]) -> int:
     from loadtest import metrics, report
     from loadtest.runner import ExperimentRunner
-    from loadtest.settings import Settings, SettingsError
+    from loadtest.settings import Settings
 
     logging.getLogger("locust").setLevel(logging.WARNING)
     environ = dict(os.environ)
@@ -148,25 +164,30 @@ def run(args: argparse.Namespace, levels: list[int]) -> int:
 
     metrics.install_precise_buckets()
     metrics.KEEP_RECORDS = True
-    runner = ExperimentRunner(settings, args.vllm_metrics_url)
+    workers = worker_count(args, levels)
+    runner = ExperimentRunner(settings, args.vllm_metrics_url, workers)
     summary: dict = {
         "run_id": run_id,
         "host": settings.host,
         "levels": levels,
+        "loader_processes": runner.loader_processes,
         "results_dir": str(out_dir),
         "started": datetime.now(UTC).isoformat(),
     }
     started = time.perf_counter()
-    runner.warm_up()
-    summary["model"] = settings.model
-    if "concurrency" in args.chosen:
-        summary["concurrency"] = runner.concurrency(
-            levels, args.requests_per_client, args.step_seconds, args.max_tokens
-        )
-    if "streaming" in args.chosen:
-        summary["streaming"] = runner.streaming(args.streaming_requests, args.streaming_max_tokens)
-    if "prefix" in args.chosen:
-        summary["prefix"] = runner.prefix(args.prefix_requests)
+    try:
+        runner.warm_up()
+        summary["model"] = settings.model
+        if "concurrency" in args.chosen:
+            summary["concurrency"] = runner.concurrency(
+                levels, args.requests_per_client, args.step_seconds, args.max_tokens
+            )
+        if "streaming" in args.chosen:
+            summary["streaming"] = runner.streaming(args.streaming_requests, args.streaming_max_tokens)
+        if "prefix" in args.chosen:
+            summary["prefix"] = runner.prefix(args.prefix_requests)
+    finally:
+        runner.close()
     summary["duration_s"] = time.perf_counter() - started
     summary["failures"] = sum(1 for record in runner.all_records if not record.ok)
     summary["requests"] = len(runner.all_records)

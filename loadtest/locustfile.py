@@ -11,7 +11,7 @@ from locust import events
 from locust.runners import MasterRunner, WorkerRunner
 
 from loadtest import metrics
-from loadtest.steps import STEP_MESSAGE, StepLoadShape, on_step_message
+from loadtest.steps import STEP_MESSAGE, StepLoadShape, on_step_message, on_worker_test_stop
 from loadtest.users import CompletionUser, PrefixCacheUser, StreamingChatUser, StreamingCompletionUser
 
 __all__ = [
@@ -29,6 +29,7 @@ metrics.install_precise_buckets()
 def on_init(environment, **_kwargs):
     if isinstance(environment.runner, WorkerRunner):
         environment.runner.register_message(STEP_MESSAGE, on_step_message)
+        environment.events.test_stop.add_listener(on_worker_test_stop)
     if not isinstance(environment.runner, MasterRunner):
         # Workers (and a standalone locust) make the requests, so they export the client metrics.
         metrics.start_exporter()

@@ -56,6 +56,7 @@ def concurrency_row(
     max_tokens: int,
     windows: list[StepWindow],
     running_samples: list[tuple[float, float, float]],
+    worker_windows: list[StepWindow] | None = None,
 ) -> dict:
     """One level of the concurrency table from that step's records."""
     ok = [r for r in records if r.ok]
@@ -85,15 +86,26 @@ def concurrency_row(
                 "e2e_ms": spread_ms([r.e2e for r in ok]),
             }
         )
-        row.update(client_cpu([w for w in windows if w.level == level], tokens))
+        row.update(
+            client_cpu(
+                [w for w in windows if w.level == level],
+                tokens,
+                [w for w in worker_windows or [] if w.level == level],
+            )
+        )
     return row
 
 
-def client_cpu(windows: list[StepWindow], tokens: int) -> dict:
-    """The load generator's CPU use during a step (one process = one Locust worker's worth)."""
+def cpu_seconds(windows: list[StepWindow]) -> float:
+    return sum((w.cpu_ended or 0.0) - w.cpu_started for w in windows if w.cpu_ended is not None)
+
+
+def client_cpu(windows: list[StepWindow], tokens: int, worker_windows: list[StepWindow] | None = None) -> dict:
+    """The load generator's CPU use during a step, in % of one core: this process's, plus its
+    worker processes' over their windows of the same step (so it can pass 100 with workers)."""
     closed = [w for w in windows if w.cpu_ended is not None and w.ended is not None]
     wall = sum((w.ended or 0.0) - w.started for w in closed)
-    cpu = sum((w.cpu_ended or 0.0) - w.cpu_started for w in closed)
+    cpu = cpu_seconds(closed) + cpu_seconds(worker_windows or [])
     if wall <= 0 or tokens <= 0:
         return {}
     return {"client_cpu_pct": cpu / wall * 100, "client_cpu_ms_per_token": cpu / tokens * 1000}

@@ -1,11 +1,18 @@
-"""Locust's local runner driving the experiments: one phase = one user class + one step shape."""
+"""Locust's runner driving the experiments: one phase = one user class + one step shape.
+
+One process uses Locust's local runner; with several workers (loadtest.distributed) this process is
+Locust's master and the users run in worker processes on this host.
+"""
 
 from __future__ import annotations
 
+import os
 import select
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import gevent
 from locust import events
@@ -14,24 +21,64 @@ from locust.env import Environment
 from llmstack.promtext import Snapshot
 from llmstack.sse import RequestRecord
 from loadtest import metrics, results
+from loadtest.distributed import LocalWorkers
+from loadtest.metrics import E2E
 from loadtest.settings import Settings
 from loadtest.step_state import STEP_STATE, StepWindow
 from loadtest.steps import StepLoadShape
-from loadtest.users import OpenAIUser, PrefixCacheUser, PrefixWorkload, StreamingCompletionUser, use_settings
+from loadtest.users import (
+    CompletionUser,
+    OpenAIUser,
+    PrefixCacheUser,
+    PrefixWorkload,
+    StreamingChatUser,
+    StreamingCompletionUser,
+    use_settings,
+)
 
 SAMPLE_INTERVAL_S = 0.05
 SAMPLER_START_TIMEOUT_S = 15
 
 
 class ExperimentRunner:
-    def __init__(self, settings: Settings, vllm_metrics_url: str | None):
+    def __init__(self, settings: Settings, vllm_metrics_url: str | None, workers: int = 1):
         self.settings = settings
         use_settings(settings)
         self.vllm_metrics_url = vllm_metrics_url or None
         self.all_records: list[RequestRecord] = []
         self.running_samples: list[tuple[float, float, float]] = []
         self.windows: list[StepWindow] = []
+        # The workers' own step windows: their CPU time is the load generator's cost.
+        self.worker_windows: list[StepWindow] = []
         self._first_sample = ""
+        self.workers: LocalWorkers | None = None
+        if workers > 1:
+            environment = Environment(
+                user_classes=[CompletionUser, StreamingCompletionUser, StreamingChatUser, PrefixCacheUser],
+                host=settings.host,
+                events=events,
+            )
+            self._log_dir = Path(tempfile.mkdtemp(prefix="loadtest-workers-"))
+            self.workers = LocalWorkers(environment, workers, self._worker_env(), self._log_dir)
+
+    @property
+    def loader_processes(self) -> int:
+        return self.workers.count if self.workers else 1
+
+    def _worker_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["LOADTEST_HOST"] = self.settings.host
+        # The keys travel in the environment of our own child processes only, never on a command line.
+        env["LOADTEST_API_KEY_FILE"] = ""
+        env["LOADTEST_API_KEY"] = ""
+        env["LOADTEST_API_KEYS"] = "\n".join(self.settings.api_keys)
+        env["LOADTEST_PROMPT"] = self.settings.prompt
+        return env
+
+    def close(self) -> None:
+        if self.workers:
+            self.workers.close()
+            self.workers = None
 
     # --- running -------------------------------------------------------------------------------
     def run_phase(
@@ -46,23 +93,49 @@ class ExperimentRunner:
         first = len(metrics.RECORDS)
         STEP_STATE.reset()
         shape = StepLoadShape(levels, step_seconds=step_seconds, requests_per_user=requests_per_user)
-        environment = Environment(user_classes=[user_class], shape_class=shape, host=self.settings.host, events=events)
-        runner = environment.create_local_runner()
+        if self.workers:
+            self.workers.start_phase(
+                {
+                    "max_tokens": self.settings.max_tokens,
+                    "model": self.settings.model,
+                    "prefix_words": self.settings.prefix_words,
+                    "prefix_mode": PrefixWorkload.mode,
+                }
+            )
+            environment = self.workers.environment
+            environment.user_classes = [user_class]
+            environment.shape_class = shape
+            runner = self.workers.runner
+            shape.runner = runner
+        else:
+            environment = Environment(
+                user_classes=[user_class], shape_class=shape, host=self.settings.host, events=events
+            )
+            runner = environment.create_local_runner()
         sampler = self._start_sampler() if sample_running else None
-        progress = gevent.spawn(self._progress, label, levels, requests_per_user, first)
+        progress = gevent.spawn(self._progress, label, levels, requests_per_user, first, runner)
         try:
             runner.start_shape()
             gevent.sleep(0.1)
             while runner.shape_greenlet is not None:
+                if self.workers:
+                    self.workers.check_alive()
                 gevent.sleep(0.05)
         finally:
-            runner.quit()
+            if self.workers:
+                runner.stop()
+            else:
+                runner.quit()
             progress.kill()
             STEP_STATE.finish()
             print("", file=sys.stderr, flush=True)
             self.running_samples = self._stop_sampler(sampler) if sampler else []
         self.windows = list(STEP_STATE.windows)
-        records = metrics.RECORDS[first:]
+        if self.workers:
+            records, self.worker_windows, model = self.workers.collect()
+            self.settings.model = self.settings.model or model
+        else:
+            records = metrics.RECORDS[first:]
         self.all_records.extend(records)
         return records
 
@@ -98,11 +171,14 @@ class ExperimentRunner:
             samples.append((float(sent), float(received), float(value)))
         return samples
 
-    def _progress(self, label: str, levels: list[int], requests_per_user: int | None, first: int) -> None:
+    def _progress(self, label: str, levels: list[int], requests_per_user: int | None, first: int, runner) -> None:
         started = time.perf_counter()
         while True:
             gevent.sleep(1)
-            done = len(metrics.RECORDS) - first
+            if self.workers:  # the workers' reports, every WORKER_REPORT_INTERVAL_S
+                done = sum(e.num_requests for (_, method), e in runner.stats.entries.items() if method == E2E)
+            else:
+                done = len(metrics.RECORDS) - first
             level = STEP_STATE.level
             total = f"/{sum(levels) * requests_per_user}" if requests_per_user else ""
             step = f", concurrency {level}" if level is not None else ""
@@ -148,7 +224,12 @@ class ExperimentRunner:
         after = self.snapshot()
         rows = [
             results.concurrency_row(
-                level, [r for r in records if r.step == level], max_tokens, self.windows, self.running_samples
+                level,
+                [r for r in records if r.step == level],
+                max_tokens,
+                self.windows,
+                self.running_samples,
+                self.worker_windows,
             )
             for level in levels
         ]

@@ -58,7 +58,9 @@ class Settings:
 
     @classmethod
     def from_environment(cls, environ=os.environ) -> Settings:
-        if environ.get("LOADTEST_API_KEY"):
+        if environ.get("LOADTEST_API_KEYS"):  # the experiments' worker processes get their master's keys
+            keys = environ["LOADTEST_API_KEYS"].split("\n")
+        elif environ.get("LOADTEST_API_KEY"):
             keys = [environ["LOADTEST_API_KEY"]]
         else:
             keys = read_keys(environ.get("LOADTEST_API_KEY_FILE") or "/run/secrets/loadtest_api_key")

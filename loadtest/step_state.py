@@ -28,14 +28,19 @@ class StepState:
     level: int | None = None
     budget: int | None = None
     started_requests: int = 0
+    # On a distributed worker the step's budget is per user: the master spreads the users over
+    # processes, so no process knows the step's whole share.
+    per_user: int | None = None
+    started_by_user: dict[int, int] = field(default_factory=dict)
     windows: list[StepWindow] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def begin(self, level: int, budget: int | None) -> None:
+    def begin(self, level: int, budget: int | None, per_user: int | None = None) -> None:
         with self._lock:
             if self.windows and self.windows[-1].ended is None:
                 self.windows[-1].close()
             self.level, self.budget, self.started_requests = level, budget, 0
+            self.per_user, self.started_by_user = per_user, {}
             self.windows.append(StepWindow(level, time.perf_counter(), cpu_started=time.process_time()))
 
     def close(self) -> None:
@@ -45,24 +50,38 @@ class StepState:
             if self.windows and self.windows[-1].ended is None:
                 self.windows[-1].close()
             self.budget = self.started_requests
+            self.per_user = 0
 
     def finish(self) -> None:
         with self._lock:
             if self.windows and self.windows[-1].ended is None:
                 self.windows[-1].close()
-            self.level, self.budget = None, None
+            self.level, self.budget, self.per_user = None, None, None
 
-    def try_start(self) -> tuple[bool, int | None]:
+    def try_start(self, user: int = 0) -> tuple[bool, int | None]:
         """(may send now, step label). Outside any step there is no limit and no label."""
         with self._lock:
             if self.budget is not None and self.started_requests >= self.budget:
                 return False, self.level
+            if self.per_user is not None:
+                if self.started_by_user.get(user, 0) >= self.per_user:
+                    return False, self.level
+                self.started_by_user[user] = self.started_by_user.get(user, 0) + 1
             self.started_requests += 1
             return True, self.level
+
+    def reopen(self) -> None:
+        """A run stopped (a worker's test_stop): the next one starts unlimited until a shape
+        begins a step; the windows stay for whoever collects them."""
+        with self._lock:
+            if self.windows and self.windows[-1].ended is None:
+                self.windows[-1].close()
+            self.level, self.budget, self.per_user = None, None, None
 
     def reset(self) -> None:
         with self._lock:
             self.level, self.budget, self.started_requests, self.windows = None, None, 0, []
+            self.per_user, self.started_by_user = None, {}
 
 
 def samples_in_step(windows: list[StepWindow], samples: list[tuple[float, float, float]], level: int) -> list[float]:

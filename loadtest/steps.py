@@ -23,12 +23,19 @@ SPAWN_AT_ONCE = 100  # Locust warns above 100 users per second; levels above it 
 
 
 def on_step_message(environment, msg, **_kwargs) -> None:
-    """On a worker: the master started a step (no budget: the master counts requests)."""
+    """On a worker: the master started a step, or ended the last one. In request mode each user
+    may start its share of the step's requests; the master's count decides when the step ends."""
     level = msg.data.get("level")
     if level is None:
-        STEP_STATE.finish()
+        STEP_STATE.close()
     else:
-        STEP_STATE.begin(level, None)
+        STEP_STATE.begin(level, None, per_user=msg.data.get("requests_per_user"))
+
+
+def on_worker_test_stop(**_kwargs) -> None:
+    """On a worker: a closed last step must not block the next run's users (a plain user count
+    from the web UI has no steps)."""
+    STEP_STATE.reopen()
 
 
 class StepLoadShape(LoadTestShape):
@@ -56,17 +63,21 @@ class StepLoadShape(LoadTestShape):
         self.step_seconds = step_seconds
         self.requests_per_user = requests_per_user
         self.index = -1
+        self.began_this_tick = False
         self.step_started = 0.0
         self.max_step_seconds = float(env.get("LOADTEST_STEP_TIMEOUT_SECONDS") or "600")
 
     def reset_time(self) -> None:
         # Locust calls this at each start: a second run from the web UI begins at the first step
-        # again, not where the last one stopped.
+        # again, not where the last one stopped. A master also calls it when the first step's
+        # users start, right after tick() began that step: that call must not begin it twice.
         super().reset_time()
-        self.index = -1
+        if not self.began_this_tick:
+            self.index = -1
 
     def _begin(self, index: int) -> None:
         self.index = index
+        self.began_this_tick = True
         self.step_started = self.get_run_time()
         level = self.levels[index]
         budget = level * self.requests_per_user if self.requests_per_user else None
@@ -77,7 +88,7 @@ class StepLoadShape(LoadTestShape):
     def _tell_workers(self, level: int | None) -> None:
         runner = self.runner
         if runner is not None and type(runner).__name__ == "MasterRunner":
-            runner.send_message(STEP_MESSAGE, {"level": level})
+            runner.send_message(STEP_MESSAGE, {"level": level, "requests_per_user": self.requests_per_user})
 
     def completed_in_step(self) -> int:
         level = self.levels[self.index]
@@ -96,6 +107,7 @@ class StepLoadShape(LoadTestShape):
         return held >= self.step_seconds
 
     def tick(self):
+        self.began_this_tick = False
         if self.index == -1:
             self._begin(0)
         elif self.step_done():

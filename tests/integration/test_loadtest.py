@@ -25,10 +25,13 @@ def run_experiments(stack, *args: str, timeout: float = 900):
 
 @pytest.fixture(scope="module")
 def experiments(stack):
-    """One short run of all three experiments, as the README's command runs them."""
+    """One short run of all three experiments, as the README's command runs them, with the load
+    spread over two worker processes (Locust's master in the command's own process)."""
     result = run_experiments(
         stack,
         "all",
+        "--workers",
+        "2",
         "--levels",
         ",".join(map(str, LEVELS)),
         "--requests-per-client",
@@ -46,6 +49,7 @@ def experiments(stack):
 
 
 def test_concurrency_table_is_self_consistent(experiments):
+    assert experiments["loader_processes"] == 2
     rows = experiments["concurrency"]["rows"]
     assert [row["concurrency"] for row in rows] == LEVELS
     for row in rows:

@@ -17,7 +17,7 @@ import requests
 from llmstack.promtext import Snapshot
 from llmstack.sse import COMPLETIONS, RequestRecord, build_body, chunk_text, iter_sse_data, send
 from llmstack.stats import percentile
-from loadtest import report, results
+from loadtest import distributed, report, results
 from loadtest.buckets import precise_bucket
 from loadtest.settings import Settings, SettingsError, parse_levels, read_keys
 from loadtest.step_state import StepState, StepWindow, max_overlap, samples_in_step
@@ -115,6 +115,46 @@ def test_step_budget_gates_requests():
     assert state.try_start() == (True, 4)
     state.finish()
     assert [w.level for w in state.windows] == [2, 4] and all(w.ended for w in state.windows)
+
+
+def test_a_distributed_step_budgets_each_user_and_a_closed_step_blocks_until_the_next_run():
+    state = StepState()
+    state.begin(2, None, per_user=2)
+    assert [state.try_start(user=1)[0] for _ in range(3)] == [True, True, False]
+    assert state.try_start(user=2) == (True, 2)
+    state.close()
+    assert state.try_start(user=3) == (False, 2)
+    state.reopen()  # a worker's test_stop: the web UI's next run may have no steps
+    assert state.try_start(user=3) == (True, None)
+    assert [w.level for w in state.windows] == [2] and state.windows[0].cpu_ended is not None
+
+
+def test_worker_count_follows_the_highest_level_and_the_cores():
+    assert distributed.auto_workers(8, cpus=16) == 1
+    assert distributed.auto_workers(64, cpus=16) == 4
+    assert distributed.auto_workers(512, cpus=16) == 15
+    assert distributed.auto_workers(512, cpus=2) == 1
+    assert distributed.parse_workers("3", 512) == 3
+    with pytest.raises(ValueError, match="auto"):
+        distributed.parse_workers("0", 8)
+
+
+def test_records_and_windows_cross_processes_unchanged():
+    record = streamed(0.02, 0.2)
+    record.step, record.tag, record.chunk_offsets = 4, "shared-prefix", [0.02, 0.03, 0.2]
+    assert distributed.record_from_message(distributed.record_to_message(record)) == record
+    window = StepWindow(4, started=1.0, ended=2.0, cpu_started=0.5, cpu_ended=0.7)
+    assert distributed.window_from_message(window.__dict__) == window
+
+
+def test_client_cpu_adds_the_workers_cpu_to_the_masters():
+    master = [StepWindow(4, started=10.0, ended=20.0, cpu_started=1.0, cpu_ended=1.5)]
+    workers = [
+        StepWindow(4, started=10.1, ended=20.0, cpu_started=0.0, cpu_ended=6.0),
+        StepWindow(4, started=10.1, ended=20.0, cpu_started=0.0, cpu_ended=4.5),
+    ]
+    assert results.client_cpu(master, 1000, workers)["client_cpu_pct"] == pytest.approx(110.0)
+    assert results.client_cpu(master, 1000)["client_cpu_pct"] == pytest.approx(5.0)
 
 
 def vllm_page(ttft_sum: float, ttft_count: int) -> Snapshot:
