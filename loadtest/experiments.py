@@ -1,6 +1,9 @@
 """Run the lab's experiments headless against the running stack and print the lab's tables.
 
-  docker compose run --rm locust-master python -m loadtest.experiments [all|concurrency|streaming|prefix ...]
+  docker compose run --rm locust-master python -m loadtest.experiments [all|concurrency|streaming|prefix|goodput ...]
+
+`all` is the lab's three (concurrency, streaming, prefix); `goodput` (open-loop Poisson arrivals,
+a sweep for the highest request rate that meets the latency objective) runs when named.
 
 Load goes through the gateway (LOADTEST_HOST, default http://nginx:8080) with the key(s) in
 LOADTEST_API_KEY_FILE, driven by Locust's own runner, users and step shape (loadtest/). vLLM's
@@ -20,10 +23,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from llmstack.cli import add_json_argument, main_exit, parser_from_doc
-from loadtest.settings import SettingsError
+from loadtest.settings import SettingsError, parse_rates
 
 PROG = "python -m loadtest.experiments"
-EXPERIMENTS = ("concurrency", "streaming", "prefix")
+EXPERIMENTS = ("concurrency", "streaming", "prefix", "goodput")
+LAB_EXPERIMENTS = EXPERIMENTS[:3]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -33,7 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="*",
         default=["all"],
         metavar="EXPERIMENT",
-        help="concurrency, streaming, prefix or all (default: all)",
+        help="concurrency, streaming, prefix, goodput, or all = the first three (default: all)",
     )
     parser.add_argument(
         "--host",
@@ -84,6 +88,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=(os.environ.get("LOADTEST_RESULTS_DIR") or "results"),
         help="folder for the run's files (default: %(default)s)",
     )
+    goodput = parser.add_argument_group("goodput (open-loop arrivals)")
+    goodput.add_argument(
+        "--rates",
+        default="auto",
+        help="offered request rates (requests/s), comma-separated, or auto: double from --start-rate "
+        "until the objective is missed, then bisect (default: %(default)s)",
+    )
+    goodput.add_argument("--start-rate", type=float, default=1.0, help="first rate of the auto sweep (1/s)")
+    goodput.add_argument("--max-rate", type=float, default=1024.0, help="the auto sweep stops here (1024/s)")
+    goodput.add_argument("--bisections", type=int, default=3, help="rates tried between met and missed (3)")
+    goodput.add_argument(
+        "--rate-seconds", type=float, default=20.0, help="arrivals per rate: this many seconds' worth (20)"
+    )
+    goodput.add_argument("--rate-min-requests", type=int, default=40, help="but at least this many (40)")
+    goodput.add_argument(
+        "--slo-ttft-p95-ms",
+        type=float,
+        default=None,
+        help="latency objective: TTFT p95 at most this (default: LOADTEST_SLO_TTFT_P95_MS or 200)",
+    )
+    goodput.add_argument(
+        "--slo-tpot-p95-ms",
+        type=float,
+        default=None,
+        help="latency objective: TPOT p95 at most this (default: LOADTEST_SLO_TPOT_P95_MS or 50)",
+    )
     parser.add_argument(
         "--workers",
         default=(os.environ.get("LOADTEST_WORKERS") or "auto"),
@@ -96,7 +126,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     chosen: set[str] = set()
     for name in args.experiments:
         if name == "all":
-            chosen.update(EXPERIMENTS)
+            chosen.update(LAB_EXPERIMENTS)
         elif name in EXPERIMENTS:
             chosen.add(name)
         else:
@@ -119,6 +149,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--step-seconds must be positive")
     if args.requests_per_client is None and args.step_seconds is None:
         args.requests_per_client = 4
+    if args.rates != "auto":
+        try:
+            args.fixed_rates = parse_rates(args.rates)
+        except SettingsError as exc:
+            parser.error(str(exc))
+    else:
+        args.fixed_rates = None
+    if not 0 < args.start_rate <= args.max_rate:
+        parser.error("--start-rate must be positive and at most --max-rate")
+    if args.bisections < 0 or args.rate_seconds <= 0 or args.rate_min_requests < 1:
+        parser.error("--bisections must be >= 0, --rate-seconds > 0 and --rate-min-requests >= 1")
+    for flag in ("slo_ttft_p95_ms", "slo_tpot_p95_ms"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive")
     return args
 
 
@@ -141,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, levels: list[int]) -> int:
-    from loadtest import metrics, report
+    # Locust first: its gevent patches ssl and sockets, which must happen before requests loads them.
+    import locust  # noqa: F401
+
+    from loadtest import goodput, metrics, report
     from loadtest.runner import ExperimentRunner
     from loadtest.settings import Settings
 
@@ -186,6 +233,13 @@ def run(args: argparse.Namespace, levels: list[int]) -> int:
             summary["streaming"] = runner.streaming(args.streaming_requests, args.streaming_max_tokens)
         if "prefix" in args.chosen:
             summary["prefix"] = runner.prefix(args.prefix_requests)
+        if "goodput" in args.chosen:
+            settings.max_tokens = args.max_tokens
+            objective = goodput.Objective(
+                args.slo_ttft_p95_ms or settings.slo_ttft_p95_ms, args.slo_tpot_p95_ms or settings.slo_tpot_p95_ms
+            )
+            search = goodput.RateSearch(args.start_rate, args.max_rate, args.bisections, args.fixed_rates)
+            summary["goodput"] = runner.goodput(search, objective, args.rate_seconds, args.rate_min_requests)
     finally:
         runner.close()
     summary["duration_s"] = time.perf_counter() - started

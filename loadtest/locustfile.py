@@ -2,7 +2,8 @@
 
 Pick the users and the shape in the web UI (--class-picker):
   CompletionUser, StreamingCompletionUser, StreamingChatUser, PrefixCacheUser, and
-  StepLoadShape (concurrency steps; none picked = the user count typed in the UI).
+  StepLoadShape (concurrency steps; none picked = the user count typed in the UI); or
+  RateStepShape: open-loop Poisson arrivals at LOADTEST_RATES requests/s (PoissonArrivalUser).
 Streamed requests add entries TTFT, TPOT, ITL (every inter-chunk gap) and E2E, in milliseconds
 with 0.01 ms resolution, beside Locust's own POST entry (which stops at the response headers).
 """
@@ -11,12 +12,15 @@ from locust import events
 from locust.runners import MasterRunner, WorkerRunner
 
 from loadtest import metrics
+from loadtest.arrivals import RATE_MESSAGE, PoissonArrivalUser, RateStepShape, on_rate_message
 from loadtest.steps import STEP_MESSAGE, StepLoadShape, on_step_message, on_worker_test_stop
 from loadtest.users import CompletionUser, PrefixCacheUser, StreamingChatUser, StreamingCompletionUser
 
 __all__ = [
     "CompletionUser",
+    "PoissonArrivalUser",
     "PrefixCacheUser",
+    "RateStepShape",
     "StepLoadShape",
     "StreamingChatUser",
     "StreamingCompletionUser",
@@ -29,6 +33,7 @@ metrics.install_precise_buckets()
 def on_init(environment, **_kwargs):
     if isinstance(environment.runner, WorkerRunner):
         environment.runner.register_message(STEP_MESSAGE, on_step_message)
+        environment.runner.register_message(RATE_MESSAGE, on_rate_message)
         environment.events.test_stop.add_listener(on_worker_test_stop)
     if not isinstance(environment.runner, MasterRunner):
         # Workers (and a standalone locust) make the requests, so they export the client metrics.

@@ -177,6 +177,61 @@ def prefix_table(result: dict) -> str:
     return f"{text}\n\nTTFT reduction with a shared prefix (p50): {pct(result['ttft_reduction_pct'])}"
 
 
+def percentiles_text(values: dict | None) -> str:
+    if not values or values.get("p50") is None:
+        return "-"
+    return "/".join(fmt(values[key], 2) for key in ("p50", "p95", "p99"))
+
+
+def goodput_table(result: dict) -> str:
+    objective = result["objective"]
+    text = table(
+        [
+            "Offered (req/s)",
+            "Arrived (req/s)",
+            "Requests",
+            "Failed",
+            "Completed (req/s)",
+            "Tokens/s",
+            "TTFT p50/p95/p99 (ms)",
+            "TPOT p50/p95/p99 (ms)",
+            "Max in flight",
+            "Meets objective",
+        ],
+        [
+            [
+                f"{r['offered_rate']:g}",
+                fmt(r.get("arrival_rate"), 2),
+                str(r["requests"]),
+                str(r["failures"]),
+                fmt(r.get("completed_rate"), 2),
+                fmt(r.get("throughput_tok_s")),
+                percentiles_text(r.get("ttft_ms")),
+                percentiles_text(r.get("tpot_ms")),
+                str(r["max_in_flight"]),
+                "yes" if r["meets_objective"] else ("no (generator behind)" if r.get("generator_limited") else "no"),
+            ]
+            for r in result["rows"]
+        ],
+    )
+    objective_text = (
+        f"TTFT p95 <= {objective['ttft_p95_ms']:g} ms and TPOT p95 <= {objective['tpot_p95_ms']:g} ms, no failure"
+    )
+    if result["goodput_rps"] is None:
+        verdict = f"Goodput: below the lowest rate tried ({objective_text})."
+    else:
+        miss = result.get("lowest_miss_rps")
+        beyond = f"; missed at {miss:g}" if miss is not None else "; never missed up to the highest rate tried"
+        verdict = f"Goodput: {result['goodput_rps']:g} requests/s met {objective_text}{beyond}."
+    behind = [r for r in result["rows"] if r.get("generator_limited")]
+    if behind:
+        verdict += (
+            f" The load generator could not send {behind[0]['offered_rate']:g} requests/s (it sent "
+            f"{fmt(behind[0]['arrival_rate'], 1)}): rates from there measure it, not the server; add --workers."
+        )
+    return f"{text}\n\n{verdict}\n{cross_check_line(result.get('vllm') or {})}"
+
+
 def render_tables(summary: dict) -> str:
     parts = [
         f"Model {summary.get('model')} through {summary['host']}; run {summary['run_id']}, "
@@ -197,6 +252,11 @@ def render_tables(summary: dict) -> str:
         parts.append(
             f"== Prefix caching (system prompt of {summary['prefix']['prefix_words']} words)\n"
             + prefix_table(summary["prefix"])
+        )
+    if "goodput" in summary:
+        parts.append(
+            "== Goodput (open loop: Poisson arrivals of streamed /v1/completions, "
+            f"{summary['goodput']['max_tokens']} tokens each)\n" + goodput_table(summary["goodput"])
         )
     return "\n\n".join(parts)
 
@@ -286,4 +346,36 @@ def make_charts(out_dir: Path, summary: dict) -> list[str]:
         ax.grid(True, alpha=0.3)
         save_chart(plt, fig, out_dir / "token_timeline.png")
         names.append("token_timeline.png")
+    if (summary.get("goodput") or {}).get("rows"):
+        goodput_chart(plt, summary["goodput"], out_dir / "goodput.png")
+        names.append("goodput.png")
     return names
+
+
+def goodput_chart(plt, result: dict, path: Path) -> None:
+    """Latency percentiles against the offered rate, the objective as a line, the knee marked."""
+    from matplotlib import ticker
+
+    rows = [r for r in result["rows"] if r.get("ttft_ms")]
+    rates = [r["offered_rate"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, title, limit in (
+        (axes[0], "ttft_ms", "TTFT", result["objective"]["ttft_p95_ms"]),
+        (axes[1], "tpot_ms", "TPOT", result["objective"]["tpot_p95_ms"]),
+    ):
+        for quantile, style in (("p50", ":"), ("p95", "-"), ("p99", "--")):
+            ax.plot(rates, [r[key][quantile] for r in rows], style, marker="o", label=f"{title} {quantile}")
+        ax.axhline(limit, color="tab:red", linewidth=1, label=f"objective: p95 <= {limit:g} ms")
+        knee = result.get("goodput_rps")
+        if knee is not None:
+            ax.axvline(knee, color="black", linewidth=1.5, label=f"goodput (knee) {knee:g}/s")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+        ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
+        ax.set_xlabel("Offered rate (requests/s, Poisson)")
+        ax.set_ylabel(f"{title} (ms)")
+        ax.set_title(f"{title} vs offered rate")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    save_chart(plt, fig, path)

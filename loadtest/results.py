@@ -50,6 +50,14 @@ def mean_ms(before: Snapshot | None, after: Snapshot | None, name: str) -> float
     return mean * 1000 if mean is not None else None
 
 
+def span(ok: list[RequestRecord]) -> tuple[float, float, int]:
+    """(first request's start, last response's end, output tokens) of successful requests:
+    every throughput in the tables is tokens over that span."""
+    begin = min(r.started for r in ok)
+    end = max(r.started + r.e2e for r in ok)
+    return begin, end, sum(r.output_tokens for r in ok)
+
+
 def concurrency_row(
     level: int,
     records: list[RequestRecord],
@@ -71,9 +79,7 @@ def concurrency_row(
         "running_samples_in_vllm": len(running),
     }
     if ok:
-        begin = min(r.started for r in ok)
-        end = max(r.started + r.e2e for r in ok)
-        tokens = sum(r.output_tokens for r in ok)
+        begin, end, tokens = span(ok)
         row.update(
             {
                 "output_tokens": tokens,

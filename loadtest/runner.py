@@ -15,12 +15,13 @@ import time
 from pathlib import Path
 
 import gevent
-from locust import events
+from locust import LoadTestShape, events
 from locust.env import Environment
 
 from llmstack.promtext import Snapshot
 from llmstack.sse import RequestRecord
-from loadtest import metrics, results
+from loadtest import goodput, metrics, results
+from loadtest.arrivals import PoissonArrivalUser, RateStepShape
 from loadtest.distributed import LocalWorkers
 from loadtest.metrics import E2E
 from loadtest.settings import Settings
@@ -54,7 +55,13 @@ class ExperimentRunner:
         self.workers: LocalWorkers | None = None
         if workers > 1:
             environment = Environment(
-                user_classes=[CompletionUser, StreamingCompletionUser, StreamingChatUser, PrefixCacheUser],
+                user_classes=[
+                    CompletionUser,
+                    StreamingCompletionUser,
+                    StreamingChatUser,
+                    PrefixCacheUser,
+                    PoissonArrivalUser,
+                ],
                 host=settings.host,
                 events=events,
             )
@@ -90,9 +97,20 @@ class ExperimentRunner:
         label: str,
         sample_running: bool = False,
     ) -> list[RequestRecord]:
+        shape = StepLoadShape(levels, step_seconds=step_seconds, requests_per_user=requests_per_user)
+        total = sum(levels) * requests_per_user if requests_per_user else None
+        return self.run_shape(user_class, shape, label, total, sample_running)
+
+    def run_shape(
+        self,
+        user_class: type[OpenAIUser],
+        shape: LoadTestShape,
+        label: str,
+        total: int | None,
+        sample_running: bool = False,
+    ) -> list[RequestRecord]:
         first = len(metrics.RECORDS)
         STEP_STATE.reset()
-        shape = StepLoadShape(levels, step_seconds=step_seconds, requests_per_user=requests_per_user)
         if self.workers:
             self.workers.start_phase(
                 {
@@ -113,7 +131,7 @@ class ExperimentRunner:
             )
             runner = environment.create_local_runner()
         sampler = self._start_sampler() if sample_running else None
-        progress = gevent.spawn(self._progress, label, levels, requests_per_user, first, runner)
+        progress = gevent.spawn(self._progress, label, total, first, runner)
         try:
             runner.start_shape()
             gevent.sleep(0.1)
@@ -171,7 +189,7 @@ class ExperimentRunner:
             samples.append((float(sent), float(received), float(value)))
         return samples
 
-    def _progress(self, label: str, levels: list[int], requests_per_user: int | None, first: int, runner) -> None:
+    def _progress(self, label: str, total: int | None, first: int, runner) -> None:
         started = time.perf_counter()
         while True:
             gevent.sleep(1)
@@ -180,10 +198,10 @@ class ExperimentRunner:
             else:
                 done = len(metrics.RECORDS) - first
             level = STEP_STATE.level
-            total = f"/{sum(levels) * requests_per_user}" if requests_per_user else ""
+            of_total = f"/{total}" if total else ""
             step = f", concurrency {level}" if level is not None else ""
             print(
-                f"\r[{label}] {done}{total} requests{step}, {time.perf_counter() - started:.0f}s   ",
+                f"\r[{label}] {done}{of_total} requests{step}, {time.perf_counter() - started:.0f}s   ",
                 end="",
                 file=sys.stderr,
                 flush=True,
@@ -255,4 +273,27 @@ class ExperimentRunner:
             "prefix_words": self.settings.prefix_words,
             "phases": phases,
             "ttft_reduction_pct": results.ttft_reduction_pct(phases),
+        }
+
+    def goodput(self, search: goodput.RateSearch, objective: goodput.Objective, seconds: float, minimum: int) -> dict:
+        """Open-loop Poisson arrivals, one rate per phase (each drains before the next), rates from
+        the search until it has found the highest that meets the objective."""
+        rows = []
+        before = self.snapshot()
+        while (rate := search.next_rate()) is not None:
+            count = goodput.requests_for_rate(rate, seconds, minimum, self.loader_processes)
+            shape = RateStepShape([rate], requests_per_step=count)
+            records = self.run_shape(PoissonArrivalUser, shape, f"rate {rate:g}/s", count)
+            row = goodput.rate_row(rate, records, objective)
+            rows.append(row)
+            search.record(rate, row["meets_objective"])
+        rows.sort(key=lambda row: row["offered_rate"])
+        open_loop = [record for record in self.all_records if record.kind == "open-loop"]
+        return {
+            "objective": {"ttft_p95_ms": objective.ttft_p95_ms, "tpot_p95_ms": objective.tpot_p95_ms},
+            "max_tokens": self.settings.max_tokens,
+            "rows": rows,
+            "goodput_rps": search.goodput,
+            "lowest_miss_rps": search.lowest_miss,
+            "vllm": results.cross_check(before, self.snapshot(), open_loop),
         }

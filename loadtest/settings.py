@@ -28,6 +28,17 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
+def parse_rates(text: str) -> list[float]:
+    """Offered request rates (requests/s), comma-separated."""
+    try:
+        rates = [float(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise SettingsError(f"request rates must be comma-separated numbers, got {text!r}") from None
+    if not rates or any(not rate > 0 or rate == float("inf") for rate in rates):
+        raise SettingsError(f"request rates must be positive numbers, got {text!r}")
+    return rates
+
+
 def read_keys(path: str) -> list[str]:
     """Keys from a file: one per line; blank lines and # comments ignored."""
     try:
@@ -48,6 +59,9 @@ class Settings:
     prompt: str = LAB_PROMPT
     max_tokens: int = 50
     prefix_words: int = 600
+    # The goodput's latency objective (loadtest.goodput).
+    slo_ttft_p95_ms: float = 200.0
+    slo_tpot_p95_ms: float = 50.0
     _next_key: itertools.count = field(default_factory=itertools.count, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -72,6 +86,8 @@ class Settings:
                 prompt=environ.get("LOADTEST_PROMPT") or LAB_PROMPT,
                 max_tokens=int(environ.get("LOADTEST_MAX_TOKENS") or "50"),
                 prefix_words=int(environ.get("LOADTEST_PREFIX_WORDS") or "600"),
+                slo_ttft_p95_ms=float(environ.get("LOADTEST_SLO_TTFT_P95_MS") or "200"),
+                slo_tpot_p95_ms=float(environ.get("LOADTEST_SLO_TPOT_P95_MS") or "50"),
             )
         except ValueError as exc:
             raise SettingsError(f"bad number in LOADTEST_* settings: {exc}") from None

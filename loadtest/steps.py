@@ -38,7 +38,92 @@ def on_worker_test_stop(**_kwargs) -> None:
     STEP_STATE.reopen()
 
 
-class StepLoadShape(LoadTestShape):
+class SteppedShape(LoadTestShape):
+    """Steps held for a time, or until a number of requests of the step finished (as Locust's
+    statistics count them, the workers' included). Subclasses say what a step is."""
+
+    abstract = True
+    label = "step"
+
+    def setup_steps(self, steps: list, step_seconds: float | None) -> None:
+        self.steps = steps
+        self.step_seconds = step_seconds
+        self.index = -1
+        self.began_this_tick = False
+        self.step_started = 0.0
+        self.max_step_seconds = float(os.environ.get("LOADTEST_STEP_TIMEOUT_SECONDS") or "600")
+
+    # --- what a subclass defines ---------------------------------------------------------------
+    def describe(self, step) -> str:
+        raise NotImplementedError
+
+    def entry_suffix(self, step) -> str:
+        """How the names of this step's Locust entries end."""
+        raise NotImplementedError
+
+    def budget(self, step) -> int | None:
+        """Requests that end the step; None: it lasts step_seconds."""
+        raise NotImplementedError
+
+    def begin_step(self, step) -> None:
+        raise NotImplementedError
+
+    def end_steps(self) -> None:
+        raise NotImplementedError
+
+    def users(self, step) -> tuple:
+        raise NotImplementedError
+
+    # --- the machinery --------------------------------------------------------------------------
+    def reset_time(self) -> None:
+        # Locust calls this at each start: a second run from the web UI begins at the first step
+        # again, not where the last one stopped. A master also calls it when the first step's
+        # users start, right after tick() began that step: that call must not begin it twice.
+        super().reset_time()
+        if not self.began_this_tick:
+            self.index = -1
+
+    def _begin(self, index: int) -> None:
+        self.index, self.began_this_tick = index, True
+        self.step_started = self.get_run_time()
+        self.begin_step(self.steps[index])
+        print(
+            f"\n[{self.label}] {self.describe(self.steps[index])} ({index + 1}/{len(self.steps)})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def is_master(self) -> bool:
+        return self.runner is not None and type(self.runner).__name__ == "MasterRunner"
+
+    def completed_in_step(self) -> int:
+        suffix = self.entry_suffix(self.steps[self.index])
+        return sum(
+            entry.num_requests
+            for (name, method), entry in self.runner.stats.entries.items()
+            if method == E2E and name.endswith(suffix)
+        )
+
+    def step_done(self) -> bool:
+        held = self.get_run_time() - self.step_started
+        budget = self.budget(self.steps[self.index])
+        if budget:
+            return self.completed_in_step() >= budget or held >= self.max_step_seconds
+        return held >= (self.step_seconds or 0)
+
+    def tick(self):
+        self.began_this_tick = False
+        if self.index == -1:
+            self._begin(0)
+        elif self.step_done():
+            if self.index + 1 >= len(self.steps):
+                self.end_steps()
+                return None
+            self._begin(self.index + 1)
+        return self.users(self.steps[self.index])
+
+
+class StepLoadShape(SteppedShape):
     """Concurrency steps; settings from LOADTEST_STEPS, LOADTEST_STEP_SECONDS,
     LOADTEST_STEP_REQUESTS_PER_USER (request mode wins when both are set)."""
 
@@ -60,62 +145,31 @@ class StepLoadShape(LoadTestShape):
             raise SettingsError("requests per user per step must be at least 1")
         if requests_per_user is None and (step_seconds is None or step_seconds <= 0):
             raise SettingsError("step seconds must be positive")
-        self.step_seconds = step_seconds
         self.requests_per_user = requests_per_user
-        self.index = -1
-        self.began_this_tick = False
-        self.step_started = 0.0
-        self.max_step_seconds = float(env.get("LOADTEST_STEP_TIMEOUT_SECONDS") or "600")
+        self.setup_steps(self.levels, step_seconds)
 
-    def reset_time(self) -> None:
-        # Locust calls this at each start: a second run from the web UI begins at the first step
-        # again, not where the last one stopped. A master also calls it when the first step's
-        # users start, right after tick() began that step: that call must not begin it twice.
-        super().reset_time()
-        if not self.began_this_tick:
-            self.index = -1
+    def describe(self, step) -> str:
+        return f"concurrency {step}"
 
-    def _begin(self, index: int) -> None:
-        self.index = index
-        self.began_this_tick = True
-        self.step_started = self.get_run_time()
-        level = self.levels[index]
-        budget = level * self.requests_per_user if self.requests_per_user else None
-        STEP_STATE.begin(level, budget)
-        self._tell_workers(level)
-        print(f"\n[step] concurrency {level} ({index + 1}/{len(self.levels)})", file=sys.stderr, flush=True)
+    def entry_suffix(self, step) -> str:
+        return f"[c={step}]"
+
+    def budget(self, step) -> int | None:
+        return step * self.requests_per_user if self.requests_per_user else None
+
+    def begin_step(self, step) -> None:
+        STEP_STATE.begin(step, self.budget(step))
+        self._tell_workers(step)
+
+    def end_steps(self) -> None:
+        STEP_STATE.close()
+        self._tell_workers(None)
 
     def _tell_workers(self, level: int | None) -> None:
-        runner = self.runner
-        if runner is not None and type(runner).__name__ == "MasterRunner":
-            runner.send_message(STEP_MESSAGE, {"level": level, "requests_per_user": self.requests_per_user})
+        if self.is_master():
+            self.runner.send_message(STEP_MESSAGE, {"level": level, "requests_per_user": self.requests_per_user})
 
-    def completed_in_step(self) -> int:
-        level = self.levels[self.index]
-        suffix = f"[c={level}]"
-        return sum(
-            entry.num_requests
-            for (name, method), entry in self.runner.stats.entries.items()
-            if method == E2E and name.endswith(suffix)
-        )
-
-    def step_done(self) -> bool:
-        held = self.get_run_time() - self.step_started
-        if self.requests_per_user:
-            budget = self.levels[self.index] * self.requests_per_user
-            return self.completed_in_step() >= budget or held >= self.max_step_seconds
-        return held >= self.step_seconds
-
-    def tick(self):
-        self.began_this_tick = False
-        if self.index == -1:
-            self._begin(0)
-        elif self.step_done():
-            if self.index + 1 >= len(self.levels):
-                STEP_STATE.close()
-                self._tell_workers(None)
-                return None
-            self._begin(self.index + 1)
+    def users(self, step) -> tuple:
         # Every client of a step starts at once, as the lab's thread pool does; a gradual ramp
         # would let the first users spend the step's budget before the last one arrives.
-        return self.levels[self.index], SPAWN_AT_ONCE
+        return step, SPAWN_AT_ONCE

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     from locust.env import Environment
 
     from loadtest import distributed, metrics
+    from loadtest.arrivals import RATE_MESSAGE, PoissonArrivalUser, on_rate_message
     from loadtest.step_state import STEP_STATE
     from loadtest.steps import STEP_MESSAGE, on_step_message, on_worker_test_stop
     from loadtest.users import (
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     locust.runners.WORKER_REPORT_INTERVAL = distributed.WORKER_REPORT_INTERVAL_S
     metrics.install_precise_buckets()
     metrics.KEEP_RECORDS = True
-    user_classes = [CompletionUser, StreamingCompletionUser, StreamingChatUser, PrefixCacheUser]
+    user_classes = [CompletionUser, StreamingCompletionUser, StreamingChatUser, PrefixCacheUser, PoissonArrivalUser]
     environment = Environment(user_classes=user_classes, events=events)
     runner = environment.create_worker_runner(args.master_host, args.master_port)
 
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         STEP_STATE.reset()
 
     runner.register_message(STEP_MESSAGE, on_step_message)
+    runner.register_message(RATE_MESSAGE, on_rate_message)
     runner.register_message(distributed.PHASE_MESSAGE, on_phase)
     runner.register_message(distributed.COLLECT_MESSAGE, on_collect)
     environment.events.test_stop.add_listener(on_worker_test_stop)

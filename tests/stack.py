@@ -179,7 +179,12 @@ class Stack:
         return self.vllm.replicas_total(name, self.replicas)
 
     def locust_swarm(
-        self, user_classes: list[str], users: int, seconds: float, host: str = "http://nginx:8080"
+        self,
+        user_classes: list[str],
+        users: int,
+        seconds: float,
+        host: str = "http://nginx:8080",
+        shape_class: str = "Default",
     ) -> dict:
         """A load test started and stopped in Locust's web UI, through nginx with its login, as a
         person would; returns the web UI's statistics taken just before the stop."""
@@ -200,7 +205,7 @@ class Stack:
             ("user_count", str(users)),
             ("spawn_rate", str(users)),
             ("host", host),
-            ("shape_class", "Default"),
+            ("shape_class", shape_class),
             *(("user_classes", name) for name in user_classes),
         ]
         started = requests.post(self.url("/locust/swarm"), data=form, auth=auth, timeout=30)

@@ -8,7 +8,11 @@ output length with ignore_eos, closed-loop clients) is measured three ways:
               the harness's requests (delta sum / delta count);
   bench       `vllm bench serve` (random prompts of the same token count, same output length and
               concurrency), with vLLM's histograms over its requests too.
-It prints the differences in percent; --json for machine-readable output.
+Each level runs --repeats times (3), the harness and `vllm bench serve` interleaved (ABBA), and the
+table gives the median of the repeats with their range, and the harness against `vllm bench serve`:
+output tokens/s (target within 3 %), TTFT p50 (5 %) and mean TPOT (3 %). A difference smaller than
+the spread of either side's repeats counts as none. The harness spreads its clients over
+--workers processes (loadtest.distributed). --json for machine-readable output, --output to a file.
 
 Two places to run it:
   the compose stack (default): the harness in the locust-master container, `vllm bench serve`
@@ -29,11 +33,14 @@ import os
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
+from pathlib import Path
 
 from llmstack import REPO_ROOT
 from llmstack.bench.gateway_report import md_table
 from llmstack.cli import StackError, UsageError, add_json_argument, main_exit, parser_from_doc, progress
 from llmstack.promtext import Snapshot
+from llmstack.stats import difference, spread
 from llmstack.vllm import VLLM_PORT, ComposeStack, HostVllm, add_stack_arguments, served_model, stack_from_args
 
 PROG = "loadtest_fidelity.py"
@@ -112,6 +119,11 @@ def mean_ms(before: Snapshot, after: Snapshot, name: str) -> float | None:
     return mean * 1000 if mean is not None else None
 
 
+def requests_per_client(args: argparse.Namespace, level: int) -> int:
+    """--requests-per-client, raised so a level has at least --min-requests requests."""
+    return max(args.requests_per_client, -(-args.min_requests // level))
+
+
 def harness_level(target: Target, args: argparse.Namespace, level: int) -> dict:
     summary = json.loads(
         target.harness(
@@ -122,13 +134,19 @@ def harness_level(target: Target, args: argparse.Namespace, level: int) -> dict:
                 "--levels",
                 str(level),
                 "--requests-per-client",
-                str(args.requests_per_client),
+                str(requests_per_client(args, level)),
                 "--max-tokens",
                 str(args.max_tokens),
+                "--workers",
+                str(args.workers),
             ]
         )
     )
-    return {"row": summary["concurrency"]["rows"][0], "check": summary["concurrency"]["vllm"]}
+    return {
+        "row": summary["concurrency"]["rows"][0],
+        "check": summary["concurrency"]["vllm"],
+        "loader_processes": summary.get("loader_processes", 1),
+    }
 
 
 def bench_serve(
@@ -155,7 +173,7 @@ def bench_serve(
             str(args.max_tokens),
             "--ignore-eos",
             "--num-prompts",
-            str(level * args.requests_per_client),
+            str(level * requests_per_client(args, level)),
             "--max-concurrency",
             str(level),
             "--request-rate",
@@ -168,6 +186,7 @@ def bench_serve(
     after = snapshot(target.stack)
     return {
         "ttft_ms": data["mean_ttft_ms"],
+        "ttft_p50_ms": data.get("median_ttft_ms"),
         "tpot_ms": data["mean_tpot_ms"],
         "vllm_ttft_ms": mean_ms(before, after, TTFT_HISTOGRAM),
         "vllm_tpot_ms": mean_ms(before, after, TPOT_HISTOGRAM),
@@ -214,6 +233,126 @@ def measure_level(target: Target, args: argparse.Namespace, level: int, model: s
     return entry
 
 
+# (figure, harness key, bench key, target in percent or None)
+COMPARED = (
+    ("output tok/s", "harness_throughput_tok_s", "bench_throughput_tok_s", 3.0),
+    ("TTFT p50 ms", "harness_ttft_p50_ms", "bench_ttft_p50_ms", 5.0),
+    ("TPOT mean ms", "harness_tpot_ms", "bench_tpot_ms", 3.0),
+    ("TTFT mean ms", "harness_ttft_ms", "bench_ttft_ms", None),
+)
+
+
+def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_root: str) -> dict:
+    """Every level --repeats times, harness and `vllm bench serve` in ABBA order."""
+    runs = []
+    started = time.monotonic()
+    for level in args.levels:
+        for repeat in range(args.repeats):
+            order = ("harness", "bench") if repeat % 2 == 0 else ("bench", "harness")
+            entry: dict = {"concurrency": level, "repeat": repeat, "order": list(order)}
+            for client in order:
+                progress(f"concurrency {level}, repeat {repeat + 1}/{args.repeats}: {client}")
+                if client == "harness":
+                    measured = harness_level(target, args, level)
+                    row, check = measured["row"], measured["check"]
+                    entry.update(
+                        {
+                            "harness_ttft_ms": check["client_ttft_mean_ms"],
+                            "harness_ttft_p50_ms": (row.get("ttft_ms") or {}).get("p50"),
+                            "harness_tpot_ms": check["client_tpot_mean_ms"],
+                            "harness_throughput_tok_s": row.get("throughput_tok_s"),
+                            "harness_failures": row.get("failures"),
+                            "harness_requests": row.get("requests"),
+                            "harness_cpu_pct": row.get("client_cpu_pct"),
+                            "loader_processes": measured["loader_processes"],
+                            "vllm_hist_ttft_ms": check["vllm_ttft_mean_ms"],
+                            "vllm_hist_tpot_ms": check["vllm_tpot_mean_ms"],
+                            "prompt_tokens": row.get("prompt_tokens_mean"),
+                        }
+                    )
+                else:
+                    input_len = round(entry.get("prompt_tokens") or args.prompt_tokens or 14)
+                    bench = bench_serve(target, args, level, model, args.tokenizer or model_root, input_len)
+                    entry.update({f"bench_{key}": value for key, value in bench.items()})
+            runs.append(entry)
+            progress(f"concurrency {level}, repeat {repeat + 1}: done after {time.monotonic() - started:.0f} s")
+    return {
+        "environment": {
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "client_cpus": os.cpu_count(),
+            "client_python": sys.version.split()[0],
+            "duration_s": round(time.monotonic() - started, 1),
+        },
+        "settings": {
+            "levels": args.levels,
+            "repeats": args.repeats,
+            "requests_per_client": args.requests_per_client,
+            "min_requests": args.min_requests,
+            "max_tokens": args.max_tokens,
+            "workers": args.workers,
+        },
+        "runs": runs,
+        "levels": [summarize_level(level, [r for r in runs if r["concurrency"] == level]) for level in args.levels],
+    }
+
+
+def summarize_level(level: int, runs: list[dict]) -> dict:
+    summary: dict = {"concurrency": level, "repeats": len(runs)}
+    for key in {key for run in runs for key in run if key.startswith(("harness_", "bench_", "vllm_"))}:
+        values = [run[key] for run in runs if isinstance(run.get(key), int | float)]
+        if values:
+            summary[key] = spread(values).as_dict()
+    summary["loader_processes"] = max((run.get("loader_processes") or 1) for run in runs)
+    for name, harness_key, bench_key, target in COMPARED:
+        bench = [run[bench_key] for run in runs if run.get(bench_key) is not None]
+        harness = [run[harness_key] for run in runs if run.get(harness_key) is not None]
+        delta, beyond = difference(bench, harness)
+        reference = spread(bench).p50
+        pct = delta / reference * 100 if delta is not None and reference else None
+        summary.setdefault("compared", {})[name] = {
+            "harness_vs_bench_pct": pct,
+            "beyond_spread": beyond,
+            "target_pct": target,
+            "met": None if target is None or pct is None else abs(pct) <= target,
+        }
+    return summary
+
+
+def repeats_table(data: dict) -> str:
+    """Per level: median (min-max) of the repeats, harness and `vllm bench serve`, the difference
+    and whether it is beyond the spread and within its target."""
+
+    def cell(entry: dict, key: str, digits: int) -> str:
+        figure = entry.get(key) or {}
+        if figure.get("p50") is None:
+            return "-"
+        return f"{figure['p50']:,.{digits}f} ({figure['min']:,.{digits}f}–{figure['max']:,.{digits}f})"
+
+    def verdict(entry: dict, name: str) -> str:
+        compared = entry["compared"][name]
+        pct = compared["harness_vs_bench_pct"]
+        if pct is None:
+            return "-"
+        text = f"{pct:+.1f}%" + ("" if compared["beyond_spread"] else " ~")
+        if compared["met"] is not None:
+            text += " met" if compared["met"] else " missed"
+        return text
+
+    rows = []
+    for entry in data["levels"]:
+        row = [str(entry["concurrency"]), str(entry.get("loader_processes", 1))]
+        for name, harness_key, bench_key, _ in COMPARED[:3]:
+            digits = 0 if "tok/s" in name else 2
+            row += [cell(entry, harness_key, digits), cell(entry, bench_key, digits), verdict(entry, name)]
+        row += [cell(entry, "vllm_hist_ttft_ms", 2)]
+        rows.append(row)
+    headers = ["Clients", "Loader processes"]
+    for name, *_ in COMPARED[:3]:
+        headers += [f"harness {name}", f"bench {name}", "harness vs bench"]
+    headers += ["vLLM hist TTFT mean ms (harness's requests)"]
+    return md_table(headers, rows)
+
+
 TABLE_COLUMNS = (  # (header, key, digits)
     ("Clients", "concurrency", 0),
     ("Harness TTFT", "harness_ttft_ms", 2),
@@ -255,6 +394,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="tokenizer for `vllm bench serve`, as vLLM sees it (default: the served model's path from /v1/models)",
     )
     parser.add_argument("--no-bench", action="store_true", help="skip `vllm bench serve`")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per level and client, interleaved (default: 3); 1 = one run"
+    )
+    parser.add_argument("--min-requests", type=int, default=32, help="at least this many requests per run (32)")
+    parser.add_argument(
+        "--workers", default="auto", help="the harness's load generator processes (default: auto, one per 16 clients)"
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--output", help="write the JSON result to this file too")
     add_json_argument(parser)
     add_stack_arguments(parser)
     args = parser.parse_args(argv)
@@ -264,6 +412,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError(f"--levels must be comma-separated integers, got {args.levels!r}") from None
     if not args.levels or min(args.levels) < 1 or args.requests_per_client < 1 or args.max_tokens < 2:
         raise UsageError("levels and --requests-per-client must be positive, --max-tokens at least 2")
+    if args.repeats < 1 or args.min_requests < 1:
+        raise UsageError("--repeats and --min-requests must be at least 1")
+    if args.repeats > 1 and args.no_bench:
+        raise UsageError("--repeats compares with `vllm bench serve`: drop --no-bench or use --repeats 1")
     return args
 
 
@@ -271,9 +423,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     target = Target(stack_from_args(args))
     model = served_model(target.stack)
+    if args.repeats > 1:
+        data = measure_repeats(target, args, model["id"], model.get("root") or model["id"])
+        if args.output:
+            Path(args.output).write_text(json.dumps(data, indent=2) + "\n")
+        print(json.dumps(data, indent=2) if args.json else repeats_table(data))
+        return 0
     results = [
         measure_level(target, args, level, model["id"], model.get("root") or model["id"]) for level in args.levels
     ]
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2) if args.json else markdown_table(results))
     return 0
 

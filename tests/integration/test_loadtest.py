@@ -178,9 +178,67 @@ def test_web_ui_only_through_nginx_with_login(stack):
 
 def test_web_ui_offers_the_users_and_the_step_shape(stack):
     page = requests.get(stack.url("/locust/"), auth=("admin", stack.passwords["locust"]), timeout=10).text
-    for name in ("StreamingCompletionUser", "StreamingChatUser", "CompletionUser", "PrefixCacheUser", "StepLoadShape"):
+    for name in (
+        "StreamingCompletionUser",
+        "StreamingChatUser",
+        "CompletionUser",
+        "PrefixCacheUser",
+        "PoissonArrivalUser",
+        "StepLoadShape",
+        "RateStepShape",
+    ):
         assert name in page
     assert '"worker_count": 1' in page
+
+
+def test_headless_goodput_sweep_with_open_loop_arrivals(stack):
+    """Poisson arrivals at two offered rates, each drained before the next, over two worker
+    processes: the table, the verdict, vLLM's own count of the same requests, and the chart."""
+    result = run_experiments(
+        stack,
+        "goodput",
+        "--rates",
+        "1,2",
+        "--rate-seconds",
+        "5",
+        "--rate-min-requests",
+        "8",
+        "--max-tokens",
+        "16",
+        "--workers",
+        "2",
+        "--slo-ttft-p95-ms",
+        "5000",
+        "--slo-tpot-p95-ms",
+        "1000",
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    found = summary["goodput"]
+    assert [row["offered_rate"] for row in found["rows"]] == [1, 2]
+    assert [row["requests"] for row in found["rows"]] == [8, 10]
+    for row in found["rows"]:
+        assert row["failures"] == 0 and row["output_tokens"] == 16 * row["requests"]
+        assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p95"] <= row["ttft_ms"]["p99"]
+        assert row["arrival_rate"] > 0 and not row["generator_limited"]
+        assert row["meets_objective"]
+    assert found["goodput_rps"] == 2 and found["lowest_miss_rps"] is None
+    assert found["objective"] == {"ttft_p95_ms": 5000, "tpot_p95_ms": 1000}
+    assert found["vllm"]["vllm_requests"] == found["vllm"]["client_requests"] == 18
+    folder = REPO_ROOT / summary["results_dir"].lstrip("/")
+    assert (folder / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    records = list(csv.DictReader((folder / "records.csv").read_text().splitlines()))
+    assert sorted({row["tag"] for row in records}) == ["rate 1/s", "rate 2/s"]
+
+
+def test_web_ui_runs_open_loop_arrivals_with_the_rate_shape(stack):
+    """The rate shape picked in the web UI: Poisson arrivals at LOADTEST_RATES' first rate (1/s),
+    whatever user count is typed, through the gateway."""
+    stats = stack.locust_swarm(["PoissonArrivalUser"], users=5, seconds=8, shape_class="RateStepShape")
+    entries = [e for e in stats["stats"] if e["method"] == "E2E" and e["name"].endswith("rate 1/s")]
+    assert entries and entries[0]["num_requests"] >= 2 and entries[0]["num_failures"] == 0, stats["stats"]
+    assert stats["user_count"] == 1  # one arrival generator per worker process
 
 
 def test_web_ui_run_with_a_worker_keeps_sub_millisecond_precision_and_exports_metrics(stack):

@@ -425,3 +425,34 @@ def test_soak_checks_judge_every_container_but_prometheus():
     broken = soak.evaluate(run | {"client": {"200": 5, "bad 502": 1}}, 0.10)
     assert not broken["checks"]["only_200_or_retryable"]
     assert soak.to_mib("1.5GiB") == 1536 and soak.to_mib("512KiB") == 0.5
+
+
+def test_fidelity_repeats_summarize_with_spread_and_targets():
+    from llmstack.bench import loadtest_fidelity
+
+    runs = [
+        {
+            "concurrency": 8,
+            "harness_throughput_tok_s": harness_tps,
+            "bench_throughput_tok_s": bench_tps,
+            "harness_ttft_p50_ms": 31.0 + i,
+            "bench_ttft_p50_ms": 30.0 + i,
+            "harness_tpot_ms": 2.5,
+            "bench_tpot_ms": 2.0,
+            "harness_ttft_ms": 33.0,
+            "bench_ttft_ms": 32.0,
+            "vllm_hist_ttft_ms": 25.0,
+            "loader_processes": 1,
+        }
+        for i, (harness_tps, bench_tps) in enumerate([(1000, 1010), (1020, 990), (980, 1000)])
+    ]
+    level = loadtest_fidelity.summarize_level(8, runs)
+    tps = level["compared"]["output tok/s"]
+    assert tps["harness_vs_bench_pct"] == pytest.approx(0.0) and not tps["beyond_spread"] and tps["met"]
+    ttft = level["compared"]["TTFT p50 ms"]
+    # +1 ms on 31 ms is +3.2 %, inside the repeats' 2 ms range: within the target, and "none".
+    assert ttft["harness_vs_bench_pct"] == pytest.approx(100 / 31) and not ttft["beyond_spread"] and ttft["met"]
+    tpot = level["compared"]["TPOT mean ms"]
+    assert tpot["harness_vs_bench_pct"] == pytest.approx(25.0) and tpot["beyond_spread"] and not tpot["met"]
+    table = loadtest_fidelity.repeats_table({"levels": [level]})
+    assert "1,000 (980–1,020)" in table and "+25.0% missed" in table and "+0.0% ~ met" in table

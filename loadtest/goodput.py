@@ -1,0 +1,135 @@
+"""Open-loop figures and the goodput search (no Locust import, so unit tests can use it).
+
+Goodput here is the highest offered request rate (Poisson arrivals, as `vllm bench serve
+--request-rate`) at which every request succeeds and TTFT p95 and TPOT p95 stay within the latency
+objective (LOADTEST_SLO_TTFT_P95_MS, LOADTEST_SLO_TPOT_P95_MS), with the arrivals really sent at
+that rate (a load generator that falls behind would report its own limit as the server's). The
+sweep doubles the rate from a start until the objective is missed, then bisects between the last
+rate that met it and the first that did not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from llmstack.sse import RequestRecord
+from llmstack.stats import percentile, spread
+from loadtest.results import span
+from loadtest.step_state import max_overlap
+
+PERCENTILES = (50, 95, 99)
+
+
+@dataclass(frozen=True)
+class Objective:
+    ttft_p95_ms: float
+    tpot_p95_ms: float
+
+    def describe(self) -> str:
+        return f"TTFT p95 <= {self.ttft_p95_ms:g} ms and TPOT p95 <= {self.tpot_p95_ms:g} ms, no failed request"
+
+
+def rate_label(rate: float) -> str:
+    """The tag of a rate's requests (Locust's entries and records.csv): 'rate 2.5/s'."""
+    return f"rate {rate:g}/s"
+
+
+def requests_for_rate(rate: float, seconds: float, minimum: int, generators: int) -> int:
+    """Arrivals at one rate: `seconds` worth, at least `minimum`, a multiple of the generators."""
+    count = max(minimum, math.ceil(rate * seconds))
+    return math.ceil(count / generators) * generators
+
+
+def percentiles_ms(values: list[float]) -> dict[str, float | None]:
+    return {f"p{q}": (percentile(values, q) * 1000 if values else None) for q in PERCENTILES}
+
+
+def rate_row(rate: float, records: list[RequestRecord], objective: Objective) -> dict:
+    """One offered rate's figures from its records."""
+    ok = [r for r in records if r.ok]
+    starts = sorted(r.started for r in records)
+    row: dict = {
+        "offered_rate": rate,
+        "requests": len(records),
+        "failures": len(records) - len(ok),
+        # What the generator really sent: arrivals - 1 gaps over the first to the last arrival.
+        "arrival_rate": (len(starts) - 1) / (starts[-1] - starts[0]) if len(starts) > 2 else None,
+        "max_in_flight": max_overlap([(r.started, r.started + r.e2e) for r in records]),
+    }
+    row["generator_limited"] = generator_limited(rate, row["arrival_rate"], len(records))
+    if ok:
+        begin, end, tokens = span(ok)
+        row.update(
+            {
+                "output_tokens": tokens,
+                "completed_rate": len(ok) / (end - begin) if end > begin else None,
+                "throughput_tok_s": tokens / (end - begin) if end > begin else None,
+                "ttft_ms": percentiles_ms([r.ttft for r in ok if r.ttft is not None]),
+                "tpot_ms": percentiles_ms([r.tpot for r in ok if r.tpot is not None]),
+                "e2e_ms": spread([r.e2e for r in ok]).scaled(1000).as_dict(),
+            }
+        )
+    row["meets_objective"] = meets(row, objective)
+    return row
+
+
+def generator_limited(offered: float, arrived: float | None, count: int) -> bool:
+    """The load generator did not send at the offered rate: the measured arrival rate is further
+    below it than a Poisson sample of `count` arrivals strays (3 standard deviations, 1/sqrt(n))."""
+    if arrived is None or count < 3:
+        return False
+    return arrived < offered * (1 - 3 / math.sqrt(count))
+
+
+def meets(row: dict, objective: Objective) -> bool:
+    ttft = (row.get("ttft_ms") or {}).get("p95")
+    tpot = (row.get("tpot_ms") or {}).get("p95")
+    return (
+        row["requests"] > 0
+        and row["failures"] == 0
+        and not row.get("generator_limited")
+        and ttft is not None
+        and tpot is not None
+        and ttft <= objective.ttft_p95_ms
+        and tpot <= objective.tpot_p95_ms
+    )
+
+
+class RateSearch:
+    """Which rate to try next: doubling from `start` until the objective is missed (or `highest` is
+    reached), then `bisections` midpoints between the best rate that met it and the lowest that
+    missed. With a fixed list, each rate of the list in turn, lowest first."""
+
+    def __init__(self, start: float, highest: float, bisections: int, fixed: list[float] | None = None):
+        self.start, self.highest, self.bisections = start, highest, bisections
+        self.fixed = sorted(fixed) if fixed else None
+        self.tried: list[tuple[float, bool]] = []
+
+    def record(self, rate: float, met: bool) -> None:
+        self.tried.append((rate, met))
+
+    @property
+    def goodput(self) -> float | None:
+        passing = [rate for rate, met in self.tried if met]
+        return max(passing) if passing else None
+
+    @property
+    def lowest_miss(self) -> float | None:
+        missing = [rate for rate, met in self.tried if not met]
+        return min(missing) if missing else None
+
+    def next_rate(self) -> float | None:
+        if self.fixed is not None:
+            done = {rate for rate, _ in self.tried}
+            return next((rate for rate in self.fixed if rate not in done), None)
+        if not self.tried:
+            return self.start
+        best, miss = self.goodput, self.lowest_miss
+        if miss is None:
+            last = self.tried[-1][0]
+            return None if last >= self.highest else min(last * 2, self.highest)
+        first_miss = next(index for index, (_, met) in enumerate(self.tried) if not met)
+        if best is None or len(self.tried) - first_miss - 1 >= self.bisections:
+            return None
+        return round((best + miss) / 2, 3)
