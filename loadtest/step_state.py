@@ -32,6 +32,9 @@ class StepState:
     # processes, so no process knows the step's whole share.
     per_user: int | None = None
     started_by_user: dict[int, int] = field(default_factory=dict)
+    # No request of a step starts before all of its users run (Locust's spawning_complete): Locust
+    # starts users at a limited rate, and early users would otherwise finish before late ones begin.
+    spawned: bool = True
     windows: list[StepWindow] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -39,6 +42,8 @@ class StepState:
         with self._lock:
             if self.windows and self.windows[-1].ended is None:
                 self.windows[-1].close()
+            # The same level again starts no user, so nothing would report the spawning complete.
+            self.spawned = level == self.level
             self.level, self.budget, self.started_requests = level, budget, 0
             self.per_user, self.started_by_user = per_user, {}
             self.windows.append(StepWindow(level, time.perf_counter(), cpu_started=time.process_time()))
@@ -56,11 +61,17 @@ class StepState:
         with self._lock:
             if self.windows and self.windows[-1].ended is None:
                 self.windows[-1].close()
-            self.level, self.budget, self.per_user = None, None, None
+            self.level, self.budget, self.per_user, self.spawned = None, None, None, True
+
+    def mark_spawned(self) -> None:
+        with self._lock:
+            self.spawned = True
 
     def try_start(self, user: int = 0) -> tuple[bool, int | None]:
         """(may send now, step label). Outside any step there is no limit and no label."""
         with self._lock:
+            if not self.spawned:
+                return False, self.level
             if self.budget is not None and self.started_requests >= self.budget:
                 return False, self.level
             if self.per_user is not None:
@@ -76,12 +87,12 @@ class StepState:
         with self._lock:
             if self.windows and self.windows[-1].ended is None:
                 self.windows[-1].close()
-            self.level, self.budget, self.per_user = None, None, None
+            self.level, self.budget, self.per_user, self.spawned = None, None, None, True
 
     def reset(self) -> None:
         with self._lock:
             self.level, self.budget, self.started_requests, self.windows = None, None, 0, []
-            self.per_user, self.started_by_user = None, {}
+            self.per_user, self.started_by_user, self.spawned = None, {}, True
 
 
 def samples_in_step(windows: list[StepWindow], samples: list[tuple[float, float, float]], level: int) -> list[float]:

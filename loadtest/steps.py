@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from locust import LoadTestShape
+from locust import LoadTestShape, events
 
 from loadtest.metrics import E2E
 from loadtest.settings import DEFAULT_LEVELS, SettingsError, parse_levels
@@ -30,6 +30,12 @@ def on_step_message(environment, msg, **_kwargs) -> None:
         STEP_STATE.close()
     else:
         STEP_STATE.begin(level, None, per_user=msg.data.get("requests_per_user"))
+
+
+@events.spawning_complete.add_listener
+def on_spawning_complete(**_kwargs) -> None:
+    """Every user of the step runs (here, or on every worker: the master tells each one)."""
+    STEP_STATE.mark_spawned()
 
 
 def on_worker_test_stop(**_kwargs) -> None:

@@ -110,16 +110,31 @@ def test_levels_and_keys(tmp_path):
 def test_step_budget_gates_requests():
     state = StepState()
     state.begin(2, 3)
+    state.mark_spawned()
     assert [state.try_start()[0] for _ in range(4)] == [True, True, True, False]
     state.begin(4, None)
+    state.mark_spawned()
     assert state.try_start() == (True, 4)
     state.finish()
     assert [w.level for w in state.windows] == [2, 4] and all(w.ended for w in state.windows)
 
 
+def test_no_request_of_a_step_starts_before_all_its_users_run():
+    state = StepState()
+    state.begin(8, 16)
+    assert state.try_start() == (False, 8)  # Locust is still starting the step's users
+    state.mark_spawned()  # its spawning_complete event
+    assert state.try_start() == (True, 8)
+    state.begin(8, 16)  # the same level again: no user starts, so no event comes
+    assert state.try_start() == (True, 8)
+    state.begin(4, 8)  # fewer users: Locust stops some, then reports the spawning complete
+    assert state.try_start() == (False, 4)
+
+
 def test_a_distributed_step_budgets_each_user_and_a_closed_step_blocks_until_the_next_run():
     state = StepState()
     state.begin(2, None, per_user=2)
+    state.mark_spawned()
     assert [state.try_start(user=1)[0] for _ in range(3)] == [True, True, False]
     assert state.try_start(user=2) == (True, 2)
     state.close()
