@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmstack import REPO_ROOT
-from llmstack.bench import gateway_overhead, noisy_neighbour, packet_timing, routing, soak
+from llmstack.bench import gateway_overhead, loadtest_fidelity, noisy_neighbour, packet_timing, routing, soak
 from llmstack.bench.gateway_report import md_table, memory_table
 from llmstack.bench.loadtest_fidelity import markdown_table as fidelity_table
 from llmstack.cli import StackError, main_exit, parser_from_doc
+from llmstack.stats import difference
 
 PROG = "python -m llmstack.docs"
 GPU_SUMMARY = "docs/gpu-results/summary.json"
@@ -50,6 +51,19 @@ def p50_pair(row: dict, metric: str) -> str:
     return " / ".join(three_figures((row[path][metric] or {}).get("p50")) for path in ("direct", "gateway"))
 
 
+def throughput_with_runs(path: dict) -> str:
+    """Mean tok/s of the path's runs with their range: 354 (348–361)."""
+    runs = path.get("throughput_runs") or []
+    mean = f"{path['throughput_tok_s']:,.0f}"
+    return f"{mean} ({min(runs):,.0f}–{max(runs):,.0f})" if len(runs) > 1 else mean
+
+
+def ratio_with_verdict(row: dict) -> str:
+    """Gateway over direct tok/s; ~ where the paths differ by less than either's runs do."""
+    delta, beyond = difference(row["direct"].get("throughput_runs") or [], row["gateway"].get("throughput_runs") or [])
+    return f"{row['throughput_ratio']:.2f}" + ("" if delta is None or beyond else " ~")
+
+
 def h200_short(summary: dict) -> str:
     """README's table: throughput and p50 latencies per level, both paths."""
     rows = [
@@ -75,9 +89,9 @@ def h200_summary(summary: dict) -> str:
         rows.append(
             [
                 str(r["concurrency"]),
-                f"{r['direct']['throughput_tok_s']:,.0f}",
-                f"{r['gateway']['throughput_tok_s']:,.0f}",
-                f"{r['throughput_ratio']:.2f}",
+                throughput_with_runs(r["direct"]),
+                throughput_with_runs(r["gateway"]),
+                ratio_with_verdict(r),
                 p50_pair(r, "ttft_ms"),
                 signed(r.get("added_ttft_p50_ms")),
                 signed(r.get("added_ttft_p99_ms")),
@@ -88,9 +102,9 @@ def h200_summary(summary: dict) -> str:
     return md_table(
         [
             "Concurrency",
-            "Direct tok/s",
-            "Through gateway",
-            "Ratio",
+            "Direct tok/s (runs' range)",
+            "Through gateway (runs' range)",
+            "Ratio (~: inside the runs' spread)",
             "TTFT p50 direct / gateway (ms)",
             "Added p50 (ms)",
             "Added p99 (ms)",
@@ -105,6 +119,57 @@ def h200_summary(summary: dict) -> str:
 class Generator:
     source: str
     render: Callable[[object], str]
+
+
+def goodput_report(summary: dict) -> str:
+    """The goodput experiment's table (loadtest.experiments goodput --json) and its verdict."""
+    result = summary["goodput"]
+
+    def trio(values: dict | None) -> str:
+        return " / ".join(three_figures(values.get(q)) for q in ("p50", "p95", "p99")) if values else "-"
+
+    rows = [
+        [
+            f"{r['offered_rate']:g}",
+            three_figures(r.get("arrival_rate")),
+            f"{r['requests']:,}",
+            str(r["failures"]),
+            three_figures(r.get("throughput_tok_s")),
+            trio(r.get("ttft_ms")),
+            trio(r.get("tpot_ms")),
+            str(r["max_in_flight"]),
+            "yes" if r["meets_objective"] else ("no (generator behind)" if r.get("generator_limited") else "no"),
+        ]
+        for r in result["rows"]
+    ]
+    objective = result["objective"]
+    table = md_table(
+        [
+            "Offered req/s",
+            "Arrived req/s",
+            "Requests",
+            "Failed",
+            "Output tok/s",
+            "TTFT p50 / p95 / p99 ms",
+            "TPOT p50 / p95 / p99 ms",
+            "Most in flight",
+            "Meets objective",
+        ],
+        rows,
+    )
+    goodput = result["goodput_rps"]
+    verdict = (
+        f"Goodput **{goodput:g} requests/s** (TTFT p95 <= {objective['ttft_p95_ms']:g} ms, TPOT p95 <= "
+        f"{objective['tpot_p95_ms']:g} ms, no failure); missed at {result['lowest_miss_rps']:g}/s. "
+        if goodput is not None and result.get("lowest_miss_rps") is not None
+        else f"Goodput: {goodput} requests/s. "
+    )
+    check = result.get("vllm") or {}
+    verdict += (
+        f"vLLM counted {check.get('vllm_requests'):,.0f} requests, the client {check.get('client_requests'):,}; "
+        f"{summary.get('loader_processes', 1)} load generator process(es)."
+    )
+    return f"{table}\n{verdict}\n"
 
 
 GENERATORS: dict[str, Generator] = {
@@ -130,14 +195,17 @@ for _stem in (
     "gateway-overhead-h200-one-client-6-repeats",
     "gateway-overhead-h200-no-body-filter",
     "gateway-overhead-h200-flush",
+    "gateway-overhead-h100-256",
 ):
     GENERATORS[_stem] = Generator(f"{POLICY_RESULTS}/{_stem}.json", gateway_overhead.markdown_table)  # type: ignore[arg-type]
 GENERATORS["soak-cpu"] = Generator("docs/soak/soak-cpu.json", soak.markdown_table)  # type: ignore[arg-type]
-for _stem in ("h100", "cpu"):
+for _stem in ("h100", "h100-kv", "cpu"):
     GENERATORS[f"routing-{_stem}"] = Generator(f"docs/routing/{_stem}.json", routing.markdown_table)  # type: ignore[arg-type]
     GENERATORS[f"routing-{_stem}-targets"] = Generator(f"docs/routing/{_stem}.json", routing.targets_table)  # type: ignore[arg-type]
 for _stem in ("packet-timing-cpu-before", "packet-timing-cpu"):
     GENERATORS[_stem] = Generator(f"docs/loadtest/{_stem}.json", packet_timing.tables)  # type: ignore[arg-type]
+GENERATORS["fidelity-h100"] = Generator("docs/loadtest/fidelity-h100.json", loadtest_fidelity.repeats_table)  # type: ignore[arg-type]
+GENERATORS["goodput-h100"] = Generator("docs/loadtest/goodput-h100.json", goodput_report)  # type: ignore[arg-type]
 DOCUMENTS = (
     *("README.md", "docs/gpu-results.md", "docs/loadtest.md", "docs/gateway-policy.md", "docs/soak.md"),
     "docs/routing.md",
