@@ -24,6 +24,7 @@ from llmstack.bench.gateway_report import md_table, memory_table
 from llmstack.bench.loadtest_fidelity import markdown_table as fidelity_table
 from llmstack.cli import StackError, main_exit, parser_from_doc
 from llmstack.stats import difference
+from loadtest import goodput
 
 PROG = "python -m llmstack.docs"
 GPU_SUMMARY = "docs/gpu-results/summary.json"
@@ -124,52 +125,13 @@ class Generator:
 def goodput_report(summary: dict) -> str:
     """The goodput experiment's table (loadtest.experiments goodput --json) and its verdict."""
     result = summary["goodput"]
-
-    def trio(values: dict | None) -> str:
-        return " / ".join(three_figures(values.get(q)) for q in ("p50", "p95", "p99")) if values else "-"
-
-    rows = [
-        [
-            f"{r['offered_rate']:g}",
-            three_figures(r.get("arrival_rate")),
-            f"{r['requests']:,}",
-            str(r["failures"]),
-            three_figures(r.get("throughput_tok_s")),
-            trio(r.get("ttft_ms")),
-            trio(r.get("tpot_ms")),
-            str(r["max_in_flight"]),
-            "yes" if r["meets_objective"] else ("no (generator behind)" if r.get("generator_limited") else "no"),
-        ]
-        for r in result["rows"]
-    ]
-    objective = result["objective"]
-    table = md_table(
-        [
-            "Offered req/s",
-            "Arrived req/s",
-            "Requests",
-            "Failed",
-            "Output tok/s",
-            "TTFT p50 / p95 / p99 ms",
-            "TPOT p50 / p95 / p99 ms",
-            "Most in flight",
-            "Meets objective",
-        ],
-        rows,
-    )
-    goodput = result["goodput_rps"]
-    verdict = (
-        f"Goodput **{goodput:g} requests/s** (TTFT p95 <= {objective['ttft_p95_ms']:g} ms, TPOT p95 <= "
-        f"{objective['tpot_p95_ms']:g} ms, no failure); missed at {result['lowest_miss_rps']:g}/s. "
-        if goodput is not None and result.get("lowest_miss_rps") is not None
-        else f"Goodput: {goodput} requests/s. "
-    )
     check = result.get("vllm") or {}
-    verdict += (
-        f"vLLM counted {check.get('vllm_requests'):,.0f} requests, the client {check.get('client_requests'):,}; "
+    counts = (
+        f"vLLM counted {check.get('vllm_requests') or 0:,.0f} requests, "
+        f"the client {check.get('client_requests') or 0:,}; "
         f"{summary.get('loader_processes', 1)} load generator process(es)."
     )
-    return f"{table}\n{verdict}\n"
+    return md_table(goodput.TABLE_HEADERS, goodput.table_rows(result)) + f"\n{goodput.verdict(result)} {counts}\n"
 
 
 GENERATORS: dict[str, Generator] = {

@@ -42,7 +42,11 @@ def requests_for_rate(rate: float, seconds: float, minimum: int, generators: int
 
 
 def percentiles_ms(values: list[float]) -> dict[str, float | None]:
-    return {f"p{q}": (percentile(values, q) * 1000 if values else None) for q in PERCENTILES}
+    result: dict[str, float | None] = {}
+    for q in PERCENTILES:
+        value = percentile(values, q)
+        result[f"p{q}"] = value * 1000 if value is not None else None
+    return result
 
 
 def rate_row(rate: float, records: list[RequestRecord], objective: Objective) -> dict:
@@ -133,3 +137,66 @@ class RateSearch:
         if best is None or len(self.tried) - first_miss - 1 >= self.bisections:
             return None
         return round((best + miss) / 2, 3)
+
+
+TABLE_HEADERS = [
+    "Offered req/s",
+    "Arrived req/s",
+    "Requests",
+    "Failed",
+    "Completed req/s",
+    "Output tok/s",
+    "TTFT p50/p95/p99 ms",
+    "TPOT p50/p95/p99 ms",
+    "Most in flight",
+    "Meets objective",
+]
+
+
+def _number(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _trio(values: dict | None) -> str:
+    if not values or values.get("p50") is None:
+        return "-"
+    return "/".join(_number(values[key], 2) for key in ("p50", "p95", "p99"))
+
+
+def table_rows(result: dict) -> list[list[str]]:
+    """The goodput table's cells, one row per offered rate (the terminal and the docs both show these)."""
+    return [
+        [
+            f"{r['offered_rate']:g}",
+            _number(r.get("arrival_rate"), 2),
+            f"{r['requests']:,}",
+            str(r["failures"]),
+            _number(r.get("completed_rate"), 2),
+            _number(r.get("throughput_tok_s"), 0),
+            _trio(r.get("ttft_ms")),
+            _trio(r.get("tpot_ms")),
+            str(r["max_in_flight"]),
+            "yes" if r["meets_objective"] else ("no (generator behind)" if r.get("generator_limited") else "no"),
+        ]
+        for r in result["rows"]
+    ]
+
+
+def verdict(result: dict) -> str:
+    objective = result["objective"]
+    objective_text = (
+        f"TTFT p95 <= {objective['ttft_p95_ms']:g} ms and TPOT p95 <= {objective['tpot_p95_ms']:g} ms, no failure"
+    )
+    if result["goodput_rps"] is None:
+        text = f"Goodput: below the lowest rate tried ({objective_text})."
+    else:
+        miss = result.get("lowest_miss_rps")
+        beyond = f"; missed at {miss:g}" if miss is not None else "; never missed up to the highest rate tried"
+        text = f"Goodput: {result['goodput_rps']:g} requests/s met {objective_text}{beyond}."
+    behind = [r for r in result["rows"] if r.get("generator_limited")]
+    if behind:
+        text += (
+            f" The load generator could not send {behind[0]['offered_rate']:g} requests/s (it sent "
+            f"{_number(behind[0]['arrival_rate'])}): rates from there measure it, not the server; add --workers."
+        )
+    return text

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from llmstack.cli import load_pyplot, save_chart
 from llmstack.sse import RequestRecord
+from loadtest import goodput
 
 
 def fmt(value, digits: int = 1) -> str:
@@ -177,59 +178,9 @@ def prefix_table(result: dict) -> str:
     return f"{text}\n\nTTFT reduction with a shared prefix (p50): {pct(result['ttft_reduction_pct'])}"
 
 
-def percentiles_text(values: dict | None) -> str:
-    if not values or values.get("p50") is None:
-        return "-"
-    return "/".join(fmt(values[key], 2) for key in ("p50", "p95", "p99"))
-
-
 def goodput_table(result: dict) -> str:
-    objective = result["objective"]
-    text = table(
-        [
-            "Offered (req/s)",
-            "Arrived (req/s)",
-            "Requests",
-            "Failed",
-            "Completed (req/s)",
-            "Tokens/s",
-            "TTFT p50/p95/p99 (ms)",
-            "TPOT p50/p95/p99 (ms)",
-            "Max in flight",
-            "Meets objective",
-        ],
-        [
-            [
-                f"{r['offered_rate']:g}",
-                fmt(r.get("arrival_rate"), 2),
-                str(r["requests"]),
-                str(r["failures"]),
-                fmt(r.get("completed_rate"), 2),
-                fmt(r.get("throughput_tok_s")),
-                percentiles_text(r.get("ttft_ms")),
-                percentiles_text(r.get("tpot_ms")),
-                str(r["max_in_flight"]),
-                "yes" if r["meets_objective"] else ("no (generator behind)" if r.get("generator_limited") else "no"),
-            ]
-            for r in result["rows"]
-        ],
-    )
-    objective_text = (
-        f"TTFT p95 <= {objective['ttft_p95_ms']:g} ms and TPOT p95 <= {objective['tpot_p95_ms']:g} ms, no failure"
-    )
-    if result["goodput_rps"] is None:
-        verdict = f"Goodput: below the lowest rate tried ({objective_text})."
-    else:
-        miss = result.get("lowest_miss_rps")
-        beyond = f"; missed at {miss:g}" if miss is not None else "; never missed up to the highest rate tried"
-        verdict = f"Goodput: {result['goodput_rps']:g} requests/s met {objective_text}{beyond}."
-    behind = [r for r in result["rows"] if r.get("generator_limited")]
-    if behind:
-        verdict += (
-            f" The load generator could not send {behind[0]['offered_rate']:g} requests/s (it sent "
-            f"{fmt(behind[0]['arrival_rate'], 1)}): rates from there measure it, not the server; add --workers."
-        )
-    return f"{text}\n\n{verdict}\n{cross_check_line(result.get('vllm') or {})}"
+    text = table(goodput.TABLE_HEADERS, goodput.table_rows(result))
+    return f"{text}\n\n{goodput.verdict(result)}\n{cross_check_line(result.get('vllm') or {})}"
 
 
 def render_tables(summary: dict) -> str:
