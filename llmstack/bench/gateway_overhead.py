@@ -494,6 +494,15 @@ def measure(args: argparse.Namespace, where: Where, key: str) -> list[dict]:
     return levels
 
 
+def add_api_key_argument(parser: argparse.ArgumentParser, what: str = "the gateway key") -> None:
+    """--api-key-file, defaulting to the load generator's key as compose mounts it (LOADTEST_API_KEY_FILE)."""
+    parser.add_argument(
+        "--api-key-file",
+        default=os.environ.get("LOADTEST_API_KEY_FILE", "secrets/loadtest_api_key"),
+        help=f"{what} (default: %(default)s)",
+    )
+
+
 def read_key(path: str) -> str:
     try:
         keys = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
@@ -506,11 +515,7 @@ def read_key(path: str) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = parser_from_doc(PROG, __doc__)
-    parser.add_argument(
-        "--api-key-file",
-        default=os.environ.get("LOADTEST_API_KEY_FILE", "secrets/loadtest_api_key"),
-        help="the gateway key (default: %(default)s)",
-    )
+    add_api_key_argument(parser)
     parser.add_argument("--levels", default="1,8,64,256", help="concurrent clients (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per path and level (default: %(default)s)")
     parser.add_argument("--prompts-per-client", type=int, default=4, help="(default: %(default)s)")

@@ -39,6 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from llmstack import REPO_ROOT
+from llmstack.bench.gateway_overhead import add_api_key_argument
 from llmstack.bench.gateway_report import PATHS, charts, render, target_rows
 from llmstack.cli import StackError, UsageError, add_json_argument, main_exit, parse_levels, parser_from_doc, progress
 from llmstack.stats import spread
@@ -52,11 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = parser_from_doc(PROG, __doc__)
     parser.add_argument("--gateway", required=True, help="the gateway's URL, e.g. http://127.0.0.1:8080")
     parser.add_argument("--direct", required=True, help="vLLM's own URL, e.g. http://127.0.0.1:8000")
-    parser.add_argument(
-        "--api-key-file",
-        default=os.environ.get("LOADTEST_API_KEY_FILE", "secrets/loadtest_api_key"),
-        help="the gateway key(s), one a line (default: %(default)s)",
-    )
+    add_api_key_argument(parser, "the gateway key(s), one a line")
     parser.add_argument("--vllm-log", help="vLLM's output since its start, for the memory report (optional)")
     parser.add_argument(
         "--vllm-metrics-url",

@@ -60,7 +60,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from llmstack.bench.gateway_overhead import read_key
+from llmstack.bench.gateway_overhead import add_api_key_argument, read_key
 from llmstack.bench.gateway_report import md_table, verdict
 from llmstack.cli import (
     StackError,
@@ -722,11 +722,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="http://127.0.0.1:8080",
         help="the gateway's plain-HTTP URL, as this host reaches it (default: %(default)s)",
     )
-    parser.add_argument(
-        "--api-key-file",
-        default=os.environ.get("LOADTEST_API_KEY_FILE", "secrets/loadtest_api_key"),
-        help="the gateway key (default: %(default)s)",
-    )
+    add_api_key_argument(parser)
     parser.add_argument("--requests", type=int, default=50, help="streamed completions (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens each (default: %(default)s)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt of every request")
