@@ -120,13 +120,13 @@ class RateStepShape(SteppedShape):
     ):
         super().__init__()
         env = os.environ
-        self.rates = rates or parse_rates(env.get("LOADTEST_RATES") or DEFAULT_RATES)
+        rates = rates or parse_rates(env.get("LOADTEST_RATES") or DEFAULT_RATES)
         if step_seconds is None and requests_per_step is None:
             step_seconds = float(env.get("LOADTEST_RATE_STEP_SECONDS") or "30")
         if requests_per_step is None and (step_seconds is None or step_seconds <= 0):
             raise SettingsError("rate step seconds must be positive")
         self.requests_per_step = requests_per_step
-        self.setup_steps(self.rates, step_seconds)
+        self.setup_steps(rates, step_seconds)
 
     def generators(self) -> int:
         return int(getattr(self.runner, "worker_count", 0) or 1)

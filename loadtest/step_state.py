@@ -55,7 +55,6 @@ class StepState:
             if self.windows and self.windows[-1].ended is None:
                 self.windows[-1].close()
             self.budget = self.started_requests
-            self.per_user = 0
 
     def finish(self) -> None:
         with self._lock:

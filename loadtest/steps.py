@@ -141,7 +141,7 @@ class StepLoadShape(SteppedShape):
     ):
         super().__init__()
         env = os.environ
-        self.levels = levels or parse_levels(env.get("LOADTEST_STEPS") or ",".join(map(str, DEFAULT_LEVELS)))
+        levels = levels or parse_levels(env.get("LOADTEST_STEPS") or ",".join(map(str, DEFAULT_LEVELS)))
         if step_seconds is None and requests_per_user is None:
             if env.get("LOADTEST_STEP_REQUESTS_PER_USER"):
                 requests_per_user = int(env["LOADTEST_STEP_REQUESTS_PER_USER"])
@@ -152,7 +152,7 @@ class StepLoadShape(SteppedShape):
         if requests_per_user is None and (step_seconds is None or step_seconds <= 0):
             raise SettingsError("step seconds must be positive")
         self.requests_per_user = requests_per_user
-        self.setup_steps(self.levels, step_seconds)
+        self.setup_steps(levels, step_seconds)
 
     def describe(self, step) -> str:
         return f"concurrency {step}"

@@ -247,6 +247,8 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
     runs = []
     started = time.monotonic()
     for level in args.levels:
+        # The harness runs first in repeat 0 (ABBA), so its prompt length is known for every bench run.
+        prompt_tokens = 14.0
         for repeat in range(args.repeats):
             order = ("harness", "bench") if repeat % 2 == 0 else ("bench", "harness")
             entry: dict = {"concurrency": level, "repeat": repeat, "order": list(order)}
@@ -270,9 +272,9 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
                             "prompt_tokens": row.get("prompt_tokens_mean"),
                         }
                     )
+                    prompt_tokens = row.get("prompt_tokens_mean") or prompt_tokens
                 else:
-                    input_len = round(entry.get("prompt_tokens") or args.prompt_tokens or 14)
-                    bench = bench_serve(target, args, level, model, args.tokenizer or model_root, input_len)
+                    bench = bench_serve(target, args, level, model, args.tokenizer or model_root, round(prompt_tokens))
                     entry.update({f"bench_{key}": value for key, value in bench.items()})
             runs.append(entry)
             progress(f"concurrency {level}, repeat {repeat + 1}: done after {time.monotonic() - started:.0f} s")
@@ -401,7 +403,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--workers", default="auto", help="the harness's load generator processes (default: auto, one per 16 clients)"
     )
-    parser.add_argument("--prompt-tokens", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--output", help="write the JSON result to this file too")
     add_json_argument(parser)
     add_stack_arguments(parser)
