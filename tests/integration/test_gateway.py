@@ -11,6 +11,7 @@ import time
 import openai
 import pytest
 import requests
+from streams import while_streaming
 
 MODEL = "tiny-qwen3"
 # vLLM's own routes that must never be reachable through the gateway, plain and disguised.
@@ -297,30 +298,66 @@ def test_rate_limit_is_per_key_with_retry_after(stack):
     assert get("burst").status_code == 200
 
 
+def open_upload(port: int, key: str, body: bytes) -> socket.socket:
+    """A request whose body is still on its way: headers and half the body sent. nginx counts it in
+    flight from its headers on, however fast vLLM is, so the limit is reached without racing the
+    generation (a slow upload is a request in flight like any other)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    sock.sendall(head.encode() + body[: len(body) // 2])
+    return sock
+
+
+def finish_upload(sock: socket.socket, body: bytes) -> int:
+    """Send the rest of the body; the answer's status."""
+    with sock:
+        sock.sendall(body[len(body) // 2 :])
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return int(answer.split(b" ", 2)[1])
+
+
 def test_concurrent_request_limit_per_key(stack):
-    limit = 8
-    # Long enough that none has ended before the ninth is sent, with two replicas generating.
-    payload = {"model": MODEL, "prompt": "Keep going", "max_tokens": 4000, "stream": True, "ignore_eos": True}
-    open_streams, readers = [], []
+    limit = 8  # tests/stack.py: MAX_CONCURRENT_REQUESTS_PER_KEY
+    payload = {"model": MODEL, "prompt": "Keep going", "max_tokens": 4}
+    body = json.dumps(payload).encode()
+    uploads = [open_upload(stack.port, stack.keys["streams"], body) for _ in range(limit)]
     try:
-        for _ in range(limit):
-            response = requests.post(
-                stack.url("/v1/completions"), headers=stack.auth("streams"), json=payload, stream=True, timeout=60
-            )
-            assert response.status_code == 200
-            open_streams.append(response)
-            # Keep the reader: a discarded line iterator closes its connection when collected.
-            readers.append(response.iter_lines())
-            next(readers[-1])  # the stream has really started
+        time.sleep(1)  # every header read by nginx (scheduled within milliseconds, even on 2 busy cores)
         extra = requests.post(stack.url("/v1/completions"), headers=stack.auth("streams"), json=payload, timeout=60)
-        assert extra.status_code == 429
+        assert extra.status_code == 429, extra.text[:300]
         assert error_body(extra)["code"] == "rate_limit_exceeded"
         assert "Retry-After" in extra.headers
         # Another key still gets through while this one is at its limit.
         assert chat(stack, owner="bob").status_code == 200
+        # The eight were held, not dropped: each is served once its body is in ...
+        with concurrent.futures.ThreadPoolExecutor(limit) as pool:
+            statuses = list(pool.map(lambda sock: finish_upload(sock, body), uploads))
+        assert statuses == [200] * limit
     finally:
-        for response in open_streams:
-            response.close()
+        for sock in uploads:
+            sock.close()
+    # ... and gives its place back.
+    after = requests.post(stack.url("/v1/completions"), headers=stack.auth("streams"), json=payload, timeout=60)
+    assert after.status_code == 200, after.text[:300]
+
+
+def test_a_stream_holds_its_place_until_it_ends(stack):
+    """The same limit with real streams: while eight stream, a ninth is refused."""
+    limit = 8
+    payload = {"model": MODEL, "prompt": "Keep going", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    short = {"model": MODEL, "prompt": "Keep going", "max_tokens": 4}
+
+    def ninth() -> requests.Response:
+        return requests.post(stack.url("/v1/completions"), headers=stack.auth("streams"), json=short, timeout=60)
+
+    extra = while_streaming(stack, "streams", "/v1/completions", [payload] * limit, ninth)
+    assert extra.status_code == 429, extra.text[:300]
+    assert error_body(extra)["code"] == "rate_limit_exceeded"
 
 
 def test_access_log_is_json_without_keys(stack):

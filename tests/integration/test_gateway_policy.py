@@ -13,6 +13,7 @@ import time
 import openai
 import pytest
 import requests
+from streams import while_streaming
 
 from llmstack import apikeys
 from llmstack.sse import ApiClient, iter_sse_data
@@ -135,44 +136,32 @@ def test_sequences_in_flight_are_limited_per_key_and_given_back(stack):
         "model": MODEL,
         "messages": [{"role": "user", "content": "Tell a story"}],
         "n": 2,
-        "max_tokens": 1500,
+        "max_tokens": 4000,
         "ignore_eos": True,
         "stream": True,
     }
-    first_chunk = threading.Barrier(3, timeout=60)
-
-    def stream() -> int:
-        with requests.post(
-            stack.url("/v1/chat/completions"), json=payload, headers=stack.auth("inflight"), stream=True, timeout=120
-        ) as response:
-            lines = response.iter_lines()
-            next(lines)
-            first_chunk.wait()
-            for _ in lines:
-                pass
-            return response.status_code
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        streams = [pool.submit(stream) for _ in range(2)]
-        first_chunk.wait()
-        refused = chat(stack, "inflight", max_tokens=2)
-        assert [f.result() for f in streams] == [200, 200]
+    path = "/v1/chat/completions"
+    refused = while_streaming(stack, "inflight", path, [payload] * 2, lambda: chat(stack, "inflight", max_tokens=2))
     error = assert_refused_before_vllm(stack, refused, 429, "sequences_in_flight")
-    assert chat(stack, "inflight", n=4, max_tokens=4).status_code == 200
+    assert_whole_allowance_given_back(stack)
     too_many = post(stack, "/v1/completions", "inflight", prompt=["a", "b", "c"], n=2, max_tokens=2)
     assert "6" in assert_refused_before_vllm(stack, too_many, 400, "sequences_cap")["message"]
     assert "4" in error["message"] and refused.headers["Retry-After"] == "1"
     # Given back when each request ends, a client that hangs up included.
     hang_up_after_first_event(stack, payload, "inflight")
-    # Each request below needs the key's whole allowance, so each is admitted only once everything
-    # before it was given back. (Seen once on 2 cores: a 429 right after a 200; given back
-    # moments later. Hence the wait, up to 15 s.)
     for _ in range(3):
-        deadline = time.monotonic() + 15
-        while (status := chat(stack, "inflight", n=4, max_tokens=4).status_code) == 429:
-            assert time.monotonic() < deadline, "the key's sequences were never given back"
-            time.sleep(0.5)
-        assert status == 200
+        assert_whole_allowance_given_back(stack)
+
+
+def assert_whole_allowance_given_back(stack) -> None:
+    """A request that needs the key's whole allowance is admitted once everything before it was
+    given back: a stream's sequences go back when nginx ends the request, moments after its client
+    hung up or its last event (seen on 2 cores: a 429 right after a 200). Hence the wait, up to 15 s."""
+    deadline = time.monotonic() + 15
+    while (status := chat(stack, "inflight", n=4, max_tokens=4).status_code) == 429:
+        assert time.monotonic() < deadline, "the key's sequences were never given back"
+        time.sleep(0.5)
+    assert status == 200
 
 
 def hang_up_after_first_event(stack, payload: dict, owner: str) -> None:
