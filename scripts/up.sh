@@ -57,7 +57,18 @@ fi
 .venv/bin/python -m llmstack.replicas --output "$replicas_file"
 
 started=$(date +%s)
-docker compose up -d --wait
+# Replicas no longer listed in .env (VLLM_GPUS, VLLM_CPU_REPLICAS lowered) go, their GPU with them.
+if ! docker compose up -d --wait --remove-orphans; then
+    # A change that restarts every replica (the model, a replica's cores) leaves the router without
+    # one in rotation, unhealthy, for as long as they load; compose then gives up on nginx, which
+    # depends on it, at once. Wait for the router to see a replica again, then start the rest.
+    echo "up.sh: waiting for the router to have a replica in rotation again" >&2
+    for _ in $(seq 120); do
+        [[ $(docker compose ps router --format '{{.Health}}') == healthy ]] && break
+        sleep 5
+    done
+    docker compose up -d --wait --remove-orphans
+fi
 gateway=$(docker compose port nginx 8443 2>/dev/null | tail -n 1)
 gateway=${gateway/0.0.0.0/localhost}
 ca_file=$(.venv/bin/python -m llmstack.secrets --path tls_certificate)
