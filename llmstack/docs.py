@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmstack import REPO_ROOT
-from llmstack.bench import gateway_overhead, loadtest_fidelity, noisy_neighbour, packet_timing, routing, soak
+from llmstack.bench import (
+    cpu_placement,
+    gateway_overhead,
+    loadtest_fidelity,
+    noisy_neighbour,
+    packet_timing,
+    routing,
+    soak,
+)
 from llmstack.bench.gateway_report import md_table, memory_table
 from llmstack.bench.loadtest_fidelity import markdown_table as fidelity_table
 from llmstack.cli import StackError, main_exit, parser_from_doc
@@ -166,6 +174,7 @@ for _stem in ("h100", "h100-kv", "cpu"):
     GENERATORS[f"routing-{_stem}-targets"] = Generator(f"docs/routing/{_stem}.json", routing.targets_table)  # type: ignore[arg-type]
 for _stem in ("packet-timing-cpu-before", "packet-timing-cpu"):
     GENERATORS[_stem] = Generator(f"docs/loadtest/{_stem}.json", packet_timing.tables)  # type: ignore[arg-type]
+GENERATORS["cpu-placement"] = Generator("docs/loadtest/cpu-placement.json", cpu_placement.table)  # type: ignore[arg-type]
 GENERATORS["fidelity-h100"] = Generator("docs/loadtest/fidelity-h100.json", loadtest_fidelity.repeats_table)  # type: ignore[arg-type]
 GENERATORS["goodput-h100"] = Generator("docs/loadtest/goodput-h100.json", goodput_report)  # type: ignore[arg-type]
 DOCUMENTS = (

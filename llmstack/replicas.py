@@ -8,6 +8,8 @@ what differs per replica, and gives the router their addresses:
              reserving GPU_COUNT GPUs, as compose/stack.yaml alone does.
   CPU path:  VLLM_CPU_REPLICAS replicas (default 2), each binding its OpenMP threads to its own
              cores (VLLM_CPU_OMP_THREADS_BIND; cores shared only when there are fewer than replicas).
+             VLLM_CPU_RESERVED_CORES (default 0) keeps the host's last cores out of every binding,
+             for vLLM's API servers and engine cores, nginx and the router.
 
 Nothing is interpolated: every other setting in .env still takes effect at `docker compose up`. Run it
 again (scripts/up.sh does) after changing the number of replicas or compose/stack.yaml's vllm.
@@ -81,7 +83,10 @@ def plan(settings: Mapping[str, str], cpu_path: bool, cores: int) -> list[Replic
         raw = settings.get("VLLM_CPU_REPLICAS") or str(DEFAULT_CPU_REPLICAS)
         if not raw.isdigit() or not 1 <= int(raw) <= MAX_REPLICAS:
             raise UsageError(f"VLLM_CPU_REPLICAS={raw!r}: give a number from 1 to {MAX_REPLICAS}")
-        binds = core_binds(int(raw), max(cores, 1))
+        reserved = settings.get("VLLM_CPU_RESERVED_CORES") or "0"
+        if not reserved.isdigit() or int(reserved) >= max(cores, 1):
+            raise UsageError(f"VLLM_CPU_RESERVED_CORES={reserved!r}: give a number of cores below this host's {cores}")
+        binds = core_binds(int(raw), max(cores, 1) - int(reserved))
         return [Replica(replica_name(i), cpu_bind=bind) for i, bind in enumerate(binds)]
     gpus = [g.strip() for g in (settings.get("VLLM_GPUS") or "").split(",") if g.strip()]
     if not gpus:

@@ -113,6 +113,10 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
         ("benchmarks/noisy_neighbour.py", ["--key-a-file", "/nonexistent", "--key-b-file", "/x"], "no such file"),
         ("benchmarks/noisy_neighbour.py", ["--key-b-file", "/x"], "--key-a-file"),
         ("benchmarks/noisy_neighbour.py", ["--render", "/nonexistent.json"], "--render /nonexistent.json: "),
+        ("benchmarks/cpu_placement.py", ["--config", "VLLM_CPU_REPLICAS"], "NAME=VALUE"),
+        ("benchmarks/cpu_placement.py", ["--config", "A=1,b=2"], "NAME=VALUE"),
+        ("benchmarks/cpu_placement.py", ["--rounds", "0"], "--rounds must be at least 1"),
+        ("benchmarks/cpu_placement.py", ["--requests", "0"], "--requests must be at least 1"),  # packet_timing's
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(script, args, message):
@@ -456,3 +460,32 @@ def test_fidelity_repeats_summarize_with_spread_and_targets():
     assert tpot["harness_vs_bench_pct"] == pytest.approx(25.0) and tpot["beyond_spread"] and not tpot["met"]
     table = loadtest_fidelity.repeats_table({"levels": [level]})
     assert "1,000 (980–1,020)" in table and "+25.0% missed" in table and "+0.0% ~ met" in table
+
+
+def test_cpu_placement_sets_the_env_files_settings_and_puts_them_back(tmp_path):
+    from llmstack.bench import cpu_placement
+
+    env = tmp_path / ".env"
+    original = "COMPOSE_FILE=x\nVLLM_CPU_REPLICAS=\nMODEL=m\n"
+    env.write_text(original)
+    before = cpu_placement.set_settings(env, {"VLLM_CPU_REPLICAS": "", "VLLM_CPU_RESERVED_CORES": ""})
+    assert before == {"VLLM_CPU_REPLICAS": "VLLM_CPU_REPLICAS=", "VLLM_CPU_RESERVED_CORES": None}
+    cpu_placement.set_settings(env, {"VLLM_CPU_REPLICAS": "1", "VLLM_CPU_RESERVED_CORES": "1"})
+    assert env.read_text() == "COMPOSE_FILE=x\nVLLM_CPU_REPLICAS=1\nMODEL=m\nVLLM_CPU_RESERVED_CORES=1\n"
+    cpu_placement.restore(env, before)
+    assert env.read_text() == original
+
+
+def test_cpu_placement_table_gives_each_configs_median_ratio_against_the_target():
+    from llmstack.bench import cpu_placement
+
+    def run(config: str, round_number: int, vllm: float, client: float) -> dict:
+        means = {"vllm": vllm, "wire": client - 1, "client": client}
+        summary = {"ttft_means_ms": means}
+        return {"config": config, "round": round_number, "summary": summary, "client_ttft_p50_ms": 9.0}
+
+    data = {"runs": [run("R=2", 1, 10, 30), run("R=1", 1, 10, 12), run("R=2", 2, 10, 50), run("R=1", 2, 10, 11)]}
+    text = cpu_placement.table(data)
+    assert "| R=1 | 2 | 1.15x (1.10-1.20) | met |" in text
+    assert "| R=2 | 2 | 4.00x (3.00-5.00) | MISSED |" in text
+    assert text.index("| R=2 | 2 |") < text.index("| R=1 | 2 |")  # the configs in the order run

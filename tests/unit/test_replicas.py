@@ -179,3 +179,18 @@ def test_metrics_of_every_replica_behind_one_name_are_summed(monkeypatch):
         server.shutdown()
     assert seen[0] == "vllm-replicas"
     assert promtext.total(promtext.parse(text), "vllm:request_success_total") == 2 * (port % 7)
+
+
+@pytest.mark.parametrize(
+    "count, reserved, binds",
+    [("2", "", ["0-1", "2-3"]), ("1", "1", ["0-2"]), ("2", "2", ["0", "1"]), ("3", "2", ["0", "1", "0"])],
+)
+def test_reserved_cores_are_kept_out_of_every_replicas_binding(count, reserved, binds):
+    settings = {"VLLM_CPU_REPLICAS": count, "VLLM_CPU_RESERVED_CORES": reserved}
+    assert [r.cpu_bind for r in replicas.plan(settings, cpu_path=True, cores=4)] == binds
+
+
+@pytest.mark.parametrize("reserved", ["2", "-1", "one"])
+def test_reserving_every_core_or_a_non_number_is_a_usage_error(reserved):
+    with pytest.raises(UsageError, match="VLLM_CPU_RESERVED_CORES"):
+        replicas.plan({"VLLM_CPU_RESERVED_CORES": reserved}, cpu_path=True, cores=2)
