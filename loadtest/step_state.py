@@ -40,8 +40,7 @@ class StepState:
 
     def begin(self, level: int, budget: int | None, per_user: int | None = None) -> None:
         with self._lock:
-            if self.windows and self.windows[-1].ended is None:
-                self.windows[-1].close()
+            self._close_window()
             # The same level again starts no user, so nothing would report the spawning complete.
             self.spawned = level == self.level
             self.level, self.budget, self.started_requests = level, budget, 0
@@ -52,14 +51,19 @@ class StepState:
         """The last step is over: no further request starts here until the next begin or reset
         (users still running until the runner stops them must not send one more)."""
         with self._lock:
-            if self.windows and self.windows[-1].ended is None:
-                self.windows[-1].close()
+            self._close_window()
             self.budget = self.started_requests
 
+    def _close_window(self) -> None:
+        if self.windows and self.windows[-1].ended is None:
+            self.windows[-1].close()
+
     def finish(self) -> None:
+        """No step any more: the run ended here (the runner), or a worker's run stopped (its
+        test_stop). The next run starts unlimited until a shape begins a step; the windows stay
+        for whoever collects them."""
         with self._lock:
-            if self.windows and self.windows[-1].ended is None:
-                self.windows[-1].close()
+            self._close_window()
             self.level, self.budget, self.per_user, self.spawned = None, None, None, True
 
     def mark_spawned(self) -> None:
@@ -79,14 +83,6 @@ class StepState:
                 self.started_by_user[user] = self.started_by_user.get(user, 0) + 1
             self.started_requests += 1
             return True, self.level
-
-    def reopen(self) -> None:
-        """A run stopped (a worker's test_stop): the next one starts unlimited until a shape
-        begins a step; the windows stay for whoever collects them."""
-        with self._lock:
-            if self.windows and self.windows[-1].ended is None:
-                self.windows[-1].close()
-            self.level, self.budget, self.per_user, self.spawned = None, None, None, True
 
     def reset(self) -> None:
         with self._lock:

@@ -41,7 +41,7 @@ def on_spawning_complete(**_kwargs) -> None:
 def on_worker_test_stop(**_kwargs) -> None:
     """On a worker: a closed last step must not block the next run's users (a plain user count
     from the web UI has no steps)."""
-    STEP_STATE.reopen()
+    STEP_STATE.finish()
 
 
 class SteppedShape(LoadTestShape):

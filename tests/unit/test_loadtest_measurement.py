@@ -139,7 +139,7 @@ def test_a_distributed_step_budgets_each_user_and_a_closed_step_blocks_until_the
     assert state.try_start(user=2) == (True, 2)
     state.close()
     assert state.try_start(user=3) == (False, 2)
-    state.reopen()  # a worker's test_stop: the web UI's next run may have no steps
+    state.finish()  # a worker's test_stop: the web UI's next run may have no steps
     assert state.try_start(user=3) == (True, None)
     assert [w.level for w in state.windows] == [2] and state.windows[0].cpu_ended is not None
 
