@@ -159,9 +159,14 @@ def raw_exchange(port: int, data: bytes) -> tuple[int, dict, bytes]:
     """Send bytes exactly as given; returns (status, headers, body) of the answer."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(data)
-        chunks = []
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
+        return read_answer(sock)
+
+
+def read_answer(sock: socket.socket) -> tuple[int, dict, bytes]:
+    """(status, headers, body) of the answer, read until the server closes the connection."""
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
     head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
     headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
@@ -315,10 +320,7 @@ def finish_upload(sock: socket.socket, body: bytes) -> int:
     """Send the rest of the body; the answer's status."""
     with sock:
         sock.sendall(body[len(body) // 2 :])
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    return int(answer.split(b" ", 2)[1])
+        return read_answer(sock)[0]
 
 
 def test_concurrent_request_limit_per_key(stack):
