@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from llmstack.bench.gateway_report import fmt
 from llmstack.sse import RequestRecord
 from llmstack.stats import percentile, spread
 from loadtest.results import span
@@ -153,14 +154,10 @@ TABLE_HEADERS = [
 ]
 
 
-def _number(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
-
-
 def _trio(values: dict | None) -> str:
     if not values or values.get("p50") is None:
         return "-"
-    return "/".join(_number(values[key], 2) for key in ("p50", "p95", "p99"))
+    return "/".join(fmt(values[key], 2) for key in ("p50", "p95", "p99"))
 
 
 def table_rows(result: dict) -> list[list[str]]:
@@ -168,11 +165,11 @@ def table_rows(result: dict) -> list[list[str]]:
     return [
         [
             f"{r['offered_rate']:g}",
-            _number(r.get("arrival_rate"), 2),
+            fmt(r.get("arrival_rate"), 2),
             f"{r['requests']:,}",
             str(r["failures"]),
-            _number(r.get("completed_rate"), 2),
-            _number(r.get("throughput_tok_s"), 0),
+            fmt(r.get("completed_rate"), 2),
+            fmt(r.get("throughput_tok_s"), 0),
             _trio(r.get("ttft_ms")),
             _trio(r.get("tpot_ms")),
             str(r["max_in_flight"]),
@@ -197,6 +194,6 @@ def verdict(result: dict) -> str:
     if behind:
         text += (
             f" The load generator could not send {behind[0]['offered_rate']:g} requests/s (it sent "
-            f"{_number(behind[0]['arrival_rate'])}): rates from there measure it, not the server; add --workers."
+            f"{fmt(behind[0]['arrival_rate'])}): rates from there measure it, not the server; add --workers."
         )
     return text

@@ -31,7 +31,7 @@ from types import FrameType
 
 from llmstack import REPO_ROOT
 from llmstack.bench import packet_timing
-from llmstack.bench.gateway_report import md_table
+from llmstack.bench.gateway_report import fmt, md_table
 from llmstack.cli import StackError, UsageError, main_exit, parser_from_doc, progress, results_path, write_json
 from llmstack.stats import percentile, spread
 
@@ -109,10 +109,6 @@ def ratio(run: dict) -> float | None:
     return means["client"] / means["vllm"] if means.get("vllm") else None
 
 
-def fmt(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def table(data: dict) -> str:
     """Each run, then each config's median and range of client / histogram."""
     runs = data["runs"]
@@ -122,11 +118,11 @@ def table(data: dict) -> str:
             [
                 run["config"],
                 str(run["round"]),
-                fmt(run["summary"]["ttft_means_ms"]["vllm"]),
-                fmt(run["summary"]["ttft_means_ms"]["wire"]),
-                fmt(run["summary"]["ttft_means_ms"]["client"]),
-                fmt(run["client_ttft_p50_ms"]),
-                f"{fmt(ratio(run))}x",
+                fmt(run["summary"]["ttft_means_ms"]["vllm"], 2),
+                fmt(run["summary"]["ttft_means_ms"]["wire"], 2),
+                fmt(run["summary"]["ttft_means_ms"]["client"], 2),
+                fmt(run["client_ttft_p50_ms"], 2),
+                f"{fmt(ratio(run), 2)}x",
             ]
             for run in runs
         ],
@@ -140,7 +136,7 @@ def table(data: dict) -> str:
             [
                 config,
                 str(summary.n),
-                f"{fmt(summary.p50)}x ({fmt(summary.min)}-{fmt(summary.max)})",
+                f"{fmt(summary.p50, 2)}x ({fmt(summary.min, 2)}-{fmt(summary.max, 2)})",
                 "met" if met else "MISSED",
             ]
         )

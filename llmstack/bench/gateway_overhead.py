@@ -43,7 +43,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from llmstack.bench.gateway_report import TARGETS, md_table
+from llmstack.bench.gateway_report import TARGETS, fmt, md_table
 from llmstack.bench.loadtest_fidelity import BENCH_SHIM
 from llmstack.cli import (
     StackError,
@@ -286,12 +286,6 @@ def target_rows(levels: list[dict]) -> list[dict]:
 # --- report -----------------------------------------------------------------------------------------
 
 
-def fmt(value: float | None, digits: int = 2, sign: bool = False) -> str:
-    if value is None:
-        return "-"
-    return f"{value:+,.{digits}f}" if sign else f"{value:,.{digits}f}"
-
-
 def with_range(entry: dict, digits: int = 2, sign: bool = True) -> str:
     """mean (min to max) over repeats."""
     if entry.get("mean") is None:
@@ -311,9 +305,9 @@ def markdown_table(summary: dict) -> str:
             [
                 str(row["clients"]),
                 str(row.get("prompts_per_run", "-")),
-                f"{fmt(row['direct']['ttft_p50_ms'])} / {fmt(row['gateway']['ttft_p50_ms'])}",
+                f"{fmt(row['direct']['ttft_p50_ms'], 2)} / {fmt(row['gateway']['ttft_p50_ms'], 2)}",
                 with_range(row["added_ttft_p50_ms"]) + ("" if row["added_ttft_p50_ms"]["larger_than_spread"] else " ~"),
-                f"{fmt(row['direct']['ttft_p99_ms'])} / {fmt(row['gateway']['ttft_p99_ms'])}",
+                f"{fmt(row['direct']['ttft_p99_ms'], 2)} / {fmt(row['gateway']['ttft_p99_ms'], 2)}",
                 with_range(row["added_ttft_p99_ms"]) + ("" if row["added_ttft_p99_ms"]["larger_than_spread"] else " ~"),
                 f"{fmt(row['direct']['output_tok_s'], 0)} / {fmt(row['gateway']['output_tok_s'], 0)}",
                 with_range(row["tok_s_ratio"], 3, sign=False),

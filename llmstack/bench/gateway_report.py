@@ -12,8 +12,11 @@ PATHS = ("gateway", "direct")
 TARGETS = {"added_ttft_p50_ms": 1.0, "added_ttft_p99_ms": 3.0, "throughput_ratio": 0.99, "fidelity_pct": 5.0}
 
 
-def fmt(value, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
+def fmt(value: float | None, digits: int = 1, sign: bool = False) -> str:
+    """A figure for a table: thousands separated, sign shown when asked, "-" for none."""
+    if value is None:
+        return "-"
+    return f"{value:+,.{digits}f}" if sign else f"{value:,.{digits}f}"
 
 
 def md_table(headers: list[str], rows: list[list[str]]) -> str:

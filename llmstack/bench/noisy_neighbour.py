@@ -58,7 +58,7 @@ from typing import Any
 import requests
 
 from llmstack import REPO_ROOT, composefile, promtext
-from llmstack.bench.gateway_report import md_table
+from llmstack.bench.gateway_report import fmt, md_table
 from llmstack.cli import (
     StackError,
     UsageError,
@@ -570,10 +570,6 @@ def targets(result: dict) -> list[dict]:
 
 
 # --- report -----------------------------------------------------------------------------------------
-
-
-def fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
 
 
 def spread_cell(figures: dict, digits: int = 1, unit: str = "") -> str:

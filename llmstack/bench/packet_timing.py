@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from llmstack.bench.gateway_overhead import add_api_key_argument, read_key
-from llmstack.bench.gateway_report import md_table, verdict
+from llmstack.bench.gateway_report import fmt, md_table, verdict
 from llmstack.cli import (
     StackError,
     UsageError,
@@ -504,12 +504,6 @@ def summarize(rows: list[dict], vllm: dict | None = None) -> dict[str, Any]:
 # --- report -----------------------------------------------------------------------------------------
 
 
-def fmt(value: float | None, digits: int = 3, sign: bool = False) -> str:
-    if value is None:
-        return "-"
-    return f"{value:+,.{digits}f}" if sign else f"{value:,.{digits}f}"
-
-
 def render(result: dict) -> str:
     env, settings = result["environment"], result["settings"]
     head = (
@@ -534,7 +528,7 @@ def tables(result: dict) -> str:
                 fmt(summary[key]["p50"], 3, True),
                 fmt(summary[key]["p99"], 3, True),
                 fmt(summary[key]["max"], 3, True),
-                fmt(summary[key]["abs_p99"]),
+                fmt(summary[key]["abs_p99"], 3),
                 verdict(summary[key]["abs_p99"], TARGET_P99_MS) if applies else "",
             ]
             for key, label, applies in SUMMARY_ROWS

@@ -53,6 +53,7 @@ from typing import Any
 
 from llmstack import launch, promtext
 from llmstack.bench import routing_workload
+from llmstack.bench.gateway_report import fmt
 from llmstack.bench.loadtest_fidelity import BENCH_SHIM
 from llmstack.cli import (
     StackError,
@@ -529,10 +530,6 @@ def targets(table: list[dict]) -> list[dict]:
                     }
                 )
     return rows
-
-
-def fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
 
 
 def fmt_rate(value: float | None) -> str:
