@@ -4,6 +4,7 @@ a finished run)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from llmstack.cli import UsageError, load_pyplot, save_chart
@@ -17,6 +18,16 @@ def fmt(value: float | None, digits: int = 1, sign: bool = False) -> str:
     if value is None:
         return "-"
     return f"{value:+,.{digits}f}" if sign else f"{value:,.{digits}f}"
+
+
+def median_range(cell: dict, digits: int = 1, show: Callable[[float], str] | None = None) -> str:
+    """A figure over repeats (a Spread as a dict): "median (min–max)", the median alone for one."""
+    show = show or (lambda value: fmt(value, digits))
+    if cell.get("p50") is None:
+        return "-"
+    if cell.get("n", 2) < 2:
+        return show(cell["p50"])
+    return f"{show(cell['p50'])} ({show(cell['min'])}–{show(cell['max'])})"
 
 
 def md_table(headers: list[str], rows: list[list[str]]) -> str:

@@ -37,7 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from llmstack import REPO_ROOT
-from llmstack.bench.gateway_report import md_table
+from llmstack.bench.gateway_report import md_table, median_range
 from llmstack.cli import StackError, UsageError, add_json_argument, main_exit, parser_from_doc, progress
 from llmstack.promtext import Snapshot
 from llmstack.stats import difference, spread
@@ -325,10 +325,7 @@ def repeats_table(data: dict) -> str:
     and whether it is beyond the spread and within its target."""
 
     def cell(entry: dict, key: str, digits: int) -> str:
-        figure = entry.get(key) or {}
-        if figure.get("p50") is None:
-            return "-"
-        return f"{figure['p50']:,.{digits}f} ({figure['min']:,.{digits}f}–{figure['max']:,.{digits}f})"
+        return median_range(entry.get(key) or {}, digits)
 
     def verdict(entry: dict, name: str) -> str:
         compared = entry["compared"][name]

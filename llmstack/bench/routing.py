@@ -53,7 +53,7 @@ from typing import Any
 
 from llmstack import launch, promtext
 from llmstack.bench import routing_workload
-from llmstack.bench.gateway_report import fmt
+from llmstack.bench.gateway_report import fmt, median_range
 from llmstack.bench.loadtest_fidelity import BENCH_SHIM
 from llmstack.cli import (
     StackError,
@@ -537,12 +537,7 @@ def fmt_rate(value: float | None) -> str:
 
 
 def with_range(cell: dict, digits: int = 1, rate: bool = False) -> str:
-    show = fmt_rate if rate else (lambda v: fmt(v, digits))
-    if cell.get("p50") is None:
-        return "-"
-    if cell.get("n", 0) < 2:
-        return show(cell["p50"])
-    return f"{show(cell['p50'])} ({show(cell['min'])}–{show(cell['max'])})"
+    return median_range(cell, digits, show=fmt_rate if rate else None)
 
 
 def markdown_table(summary: dict) -> str:
