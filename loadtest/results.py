@@ -86,6 +86,9 @@ def concurrency_row(
                 "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in ok),
                 "total_time_s": end - begin,
                 "throughput_tok_s": tokens / (end - begin),
+                # Requests in flight on average over the step (the time they took over its span):
+                # a closed loop of `level` clients should keep it near the level.
+                "mean_in_flight": sum(r.e2e for r in ok) / (end - begin),
                 "avg_tps_per_request": statistics.fmean(r.tokens_per_second or 0.0 for r in ok),
                 "ttft_ms": spread_ms([r.ttft for r in ok if r.ttft is not None]),
                 "tpot_ms": spread_ms([r.tpot for r in ok if r.tpot is not None]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -28,24 +29,38 @@ class StepState:
     level: int | None = None
     budget: int | None = None
     started_requests: int = 0
-    # On a distributed worker the step's budget is per user: the master spreads the users over
-    # processes, so no process knows the step's whole share.
+    # On a distributed worker the step's budget comes per user: the master spreads the users over
+    # processes, so no process knows its share until its users all run. Then (users_here, Locust's
+    # count of this process's users) the share becomes one budget for all of them, as a single
+    # process has: a user whose requests end sooner sends more, and the step keeps `level` requests
+    # in flight until its last ones, as `vllm bench serve` and the lab's thread pool do. Budgets
+    # held per user instead let the in-flight count decay as users finished early (fewer requests
+    # in flight than the level, hence latencies that flattered the server at saturation).
     per_user: int | None = None
     started_by_user: dict[int, int] = field(default_factory=dict)
+    users_here: Callable[[], int] | None = None
     # No request of a step starts before all of its users run (Locust's spawning_complete): Locust
     # starts users at a limited rate, and early users would otherwise finish before late ones begin.
     spawned: bool = True
     windows: list[StepWindow] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def begin(self, level: int, budget: int | None, per_user: int | None = None) -> None:
+    def begin(
+        self,
+        level: int,
+        budget: int | None,
+        per_user: int | None = None,
+        users_here: Callable[[], int] | None = None,
+    ) -> None:
         with self._lock:
             self._close_window()
             # The same level again starts no user, so nothing would report the spawning complete.
             self.spawned = level == self.level
             self.level, self.budget, self.started_requests = level, budget, 0
-            self.per_user, self.started_by_user = per_user, {}
+            self.per_user, self.started_by_user, self.users_here = per_user, {}, users_here
             self.windows.append(StepWindow(level, time.perf_counter(), cpu_started=time.process_time()))
+            if self.spawned:
+                self._pool_per_user_budget()
 
     def close(self) -> None:
         """The last step is over: no further request starts here until the next begin or reset
@@ -69,6 +84,12 @@ class StepState:
     def mark_spawned(self) -> None:
         with self._lock:
             self.spawned = True
+            self._pool_per_user_budget()
+
+    def _pool_per_user_budget(self) -> None:
+        """Every user of the step runs here: its users' shares become one budget they draw from."""
+        if self.per_user is not None and self.users_here is not None:
+            self.budget, self.per_user = self.per_user * self.users_here(), None
 
     def try_start(self, user: int = 0) -> tuple[bool, int | None]:
         """(may send now, step label). Outside any step there is no limit and no label."""

@@ -4,7 +4,9 @@ Each step holds `level` users either for a time (LOADTEST_STEP_SECONDS) or until
 requests per user has completed (LOADTEST_STEP_REQUESTS_PER_USER: the lab sends 1). Every request
 is labelled with the step it started in, so Locust's entries (" [c=4]") and the experiments'
 tables are per step. In request mode a process-wide gate lets no more than the step's budget start,
-so steps never overlap; on distributed workers the master's count decides when a step ends.
+so steps never overlap; its users draw from that budget together, so `level` requests stay in flight
+until the step's last ones (a worker process's budget is its users' share of the step). On
+distributed workers the master's count decides when a step ends.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ SPAWN_AT_ONCE = 100  # Locust warns above 100 users per second; levels above it 
 
 
 def on_step_message(environment, msg, **_kwargs) -> None:
-    """On a worker: the master started a step, or ended the last one. In request mode each user
-    may start its share of the step's requests; the master's count decides when the step ends."""
+    """On a worker: the master started a step, or ended the last one. In request mode this process's
+    users, once they all run, share their part of the step's requests (requests per user times the
+    users here); the master's count decides when the step ends."""
     level = msg.data.get("level")
     if level is None:
         STEP_STATE.close()
     else:
-        STEP_STATE.begin(level, None, per_user=msg.data.get("requests_per_user"))
+        STEP_STATE.begin(
+            level, None, per_user=msg.data.get("requests_per_user"), users_here=lambda: environment.runner.user_count
+        )
 
 
 @events.spawning_complete.add_listener

@@ -70,6 +70,8 @@ def test_concurrency_table_is_self_consistent(experiments):
         # polls can all land in quiet moments and read 0, as one CI run saw at concurrency 2. On
         # the H200 run the gauge reached every level: docs/gpu-results/summary.json.)
         assert row["max_in_flight"] == level
+        # On average fewer: the step's first requests start together and its last ones drain.
+        assert 0 < row["mean_in_flight"] <= level * (1 + 1e-9)
         assert row["max_running_in_vllm"] is not None and 0 <= row["max_running_in_vllm"] <= level, row
     # The widest step lasts long enough to be sampled: vLLM really batched concurrent requests.
     assert rows[-1]["max_running_in_vllm"] >= 2

@@ -144,6 +144,19 @@ def test_a_distributed_step_budgets_each_user_and_a_closed_step_blocks_until_the
     assert [w.level for w in state.windows] == [2] and state.windows[0].cpu_ended is not None
 
 
+def test_a_workers_users_share_its_part_of_the_step_once_they_all_run():
+    users_here = 3
+    state = StepState()
+    state.begin(8, None, per_user=2, users_here=lambda: users_here)
+    assert state.try_start(user=1) == (False, 8)  # its users are still starting
+    state.mark_spawned()
+    # 3 users x 2 requests, drawn by whichever user is free: one fast user may send them all.
+    assert [state.try_start(user=1)[0] for _ in range(7)] == [True] * 6 + [False]
+    users_here = 5  # the same level again: no user starts, the share is counted at once
+    state.begin(8, None, per_user=2, users_here=lambda: users_here)
+    assert sum(state.try_start(user=2)[0] for _ in range(12)) == 10
+
+
 def test_worker_count_follows_the_highest_level_and_the_cores():
     assert distributed.auto_workers(8, cpus=16) == 1
     assert distributed.auto_workers(64, cpus=16) == 4
