@@ -175,7 +175,10 @@ for _stem in ("h100", "h100-kv", "cpu"):
 for _stem in ("packet-timing-cpu-before", "packet-timing-cpu"):
     GENERATORS[_stem] = Generator(f"docs/loadtest/{_stem}.json", packet_timing.tables)  # type: ignore[arg-type]
 GENERATORS["cpu-placement"] = Generator("docs/loadtest/cpu-placement.json", cpu_placement.table)  # type: ignore[arg-type]
-GENERATORS["fidelity-h100"] = Generator("docs/loadtest/fidelity-h100.json", loadtest_fidelity.repeats_table)  # type: ignore[arg-type]
+for _stem in ("fidelity-h100", "fidelity-h100-saturation"):
+    _source = f"docs/loadtest/{_stem}.json"
+    GENERATORS[_stem] = Generator(_source, loadtest_fidelity.repeats_table)  # type: ignore[arg-type]
+    GENERATORS[f"{_stem}-server"] = Generator(_source, loadtest_fidelity.server_view_table)  # type: ignore[arg-type]
 GENERATORS["goodput-h100"] = Generator("docs/loadtest/goodput-h100.json", goodput_report)  # type: ignore[arg-type]
 DOCUMENTS = (
     *("README.md", "docs/gpu-results.md", "docs/loadtest.md", "docs/gateway-policy.md", "docs/soak.md"),

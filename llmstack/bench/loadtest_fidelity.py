@@ -11,8 +11,11 @@ output length with ignore_eos, closed-loop clients) is measured three ways:
 Each level runs --repeats times (3), the harness and `vllm bench serve` interleaved (ABBA), and the
 table gives the median of the repeats with their range, and the harness against `vllm bench serve`:
 output tokens/s (target within 3 %), TTFT p50 (5 %) and mean TPOT (3 %). A difference smaller than
-the spread of either side's repeats counts as none. The harness spreads its clients over
---workers processes (loadtest.distributed). --json for machine-readable output, --output to a file.
+the spread of either side's repeats counts as none. A second table gives the server's view: how many
+requests each client kept in flight on average (Little's law, from its own figures) and vLLM's
+histograms over each client's requests, so a client that offered less load than its level shows.
+The harness spreads its clients over --workers processes (loadtest.distributed). --json for
+machine-readable output, --output to a file.
 
 Two places to run it:
   the compose stack (default): the harness in the locust-master container, `vllm bench serve`
@@ -352,6 +355,41 @@ def repeats_table(data: dict) -> str:
     return md_table(headers, rows)
 
 
+def mean_in_flight(run: dict, side: str, max_tokens: int) -> float | None:
+    """Requests in flight on average during one side's run, by Little's law: completed requests per
+    second (output tokens/s over the fixed output length) times the mean request time (TTFT plus
+    the other tokens at the mean TPOT). The same formula for both clients, from their own figures."""
+    tok_s, ttft, tpot = (run.get(f"{side}_{key}") for key in ("throughput_tok_s", "ttft_ms", "tpot_ms"))
+    if tok_s is None or ttft is None or tpot is None:
+        return None
+    return tok_s / max_tokens * (ttft + (max_tokens - 1) * tpot) / 1000
+
+
+SERVER_VIEW = (  # (header, figure of one run)
+    ("harness mean in flight", lambda run, n: mean_in_flight(run, "harness", n)),
+    ("bench mean in flight", lambda run, n: mean_in_flight(run, "bench", n)),
+    ("vLLM hist TTFT mean ms, harness's requests", lambda run, n: run.get("vllm_hist_ttft_ms")),
+    ("vLLM hist TTFT mean ms, bench's", lambda run, n: run.get("bench_vllm_ttft_ms")),
+    ("vLLM hist TPOT mean ms, harness's requests", lambda run, n: run.get("vllm_hist_tpot_ms")),
+    ("vLLM hist TPOT mean ms, bench's", lambda run, n: run.get("bench_vllm_tpot_ms")),
+)
+
+
+def server_view_table(data: dict) -> str:
+    """Per level, median (min-max) over the repeats: how many requests each client really kept in
+    flight, and how fast vLLM's own histograms say the server served each client's requests."""
+    max_tokens = data["settings"]["max_tokens"]
+    rows = []
+    for level in data["settings"]["levels"]:
+        runs = [run for run in data["runs"] if run["concurrency"] == level]
+        row = [str(level)]
+        for _, figure in SERVER_VIEW:
+            values = [value for run in runs if (value := figure(run, max_tokens)) is not None]
+            row.append(median_range(spread(values).as_dict(), 1))
+        rows.append(row)
+    return md_table(["Clients", *(header for header, _ in SERVER_VIEW)], rows)
+
+
 TABLE_COLUMNS = (  # (header, key, digits)
     ("Clients", "concurrency", 0),
     ("Harness TTFT", "harness_ttft_ms", 2),
@@ -425,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         data = measure_repeats(target, args, model["id"], model.get("root") or model["id"])
         if args.output:
             Path(args.output).write_text(json.dumps(data, indent=2) + "\n")
-        print(json.dumps(data, indent=2) if args.json else repeats_table(data))
+        print(json.dumps(data, indent=2) if args.json else repeats_table(data) + "\n\n" + server_view_table(data))
         return 0
     results = [
         measure_level(target, args, level, model["id"], model.get("root") or model["id"]) for level in args.levels

@@ -462,6 +462,21 @@ def test_fidelity_repeats_summarize_with_spread_and_targets():
     assert "1,000 (980–1,020)" in table and "+25.0% missed" in table and "+0.0% ~ met" in table
 
 
+def test_fidelity_server_view_counts_requests_in_flight_by_littles_law():
+    from llmstack.bench import loadtest_fidelity
+
+    # 1,000 tok/s of 50-token requests = 20 requests/s; each lasts 100 + 49 * 2 = 198 ms: 3.96 in flight.
+    run = {"concurrency": 4, "harness_throughput_tok_s": 1000.0, "harness_ttft_ms": 100.0, "harness_tpot_ms": 2.0}
+    assert loadtest_fidelity.mean_in_flight(run, "harness", 50) == pytest.approx(3.96)
+    assert loadtest_fidelity.mean_in_flight(run, "bench", 50) is None
+    runs = [
+        run | {"bench_throughput_tok_s": 1000.0 + 10 * i, "bench_ttft_ms": 100.0, "bench_tpot_ms": 2.0}
+        for i in range(3)
+    ]
+    table = loadtest_fidelity.server_view_table({"settings": {"levels": [4], "max_tokens": 50}, "runs": runs})
+    assert "| 4 | 4.0 (4.0–4.0) | 4.0 (4.0–4.0) | - |" in table
+
+
 def test_cpu_placement_sets_the_env_files_settings_and_puts_them_back(tmp_path):
     from llmstack.bench import cpu_placement
 
