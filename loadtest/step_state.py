@@ -29,13 +29,10 @@ class StepState:
     level: int | None = None
     budget: int | None = None
     started_requests: int = 0
-    # On a distributed worker the step's budget comes per user: the master spreads the users over
-    # processes, so no process knows its share until its users all run. Then (users_here, Locust's
-    # count of this process's users) the share becomes one budget for all of them, as a single
-    # process has: a user whose requests end sooner sends more, and the step keeps `level` requests
-    # in flight until its last ones, as `vllm bench serve` and the lab's thread pool do. Budgets
-    # held per user instead let the in-flight count decay as users finished early (fewer requests
-    # in flight than the level, hence latencies that flattered the server at saturation).
+    # On a distributed worker the budget comes per user (no process knows its share before its
+    # users run); once they do, it becomes one budget for them (users_here: Locust's count), so a
+    # user whose requests end sooner sends more and `level` requests stay in flight until the
+    # step's last, as with `vllm bench serve`. Per-user budgets let the in-flight count decay.
     per_user: int | None = None
     started_by_user: dict[int, int] = field(default_factory=dict)
     users_here: Callable[[], int] | None = None
