@@ -29,13 +29,11 @@ class StepState:
     level: int | None = None
     budget: int | None = None
     started_requests: int = 0
-    # On a distributed worker the budget comes per user (no process knows its share before its
-    # users run); once they do, it becomes one budget for them (users_here: Locust's count), so a
-    # user whose requests end sooner sends more and `level` requests stay in flight until the
-    # step's last, as with `vllm bench serve`. Per-user budgets let the in-flight count decay.
-    per_user: int | None = None
-    started_by_user: dict[int, int] = field(default_factory=dict)
-    users_here: Callable[[], int] | None = None
+    # On a distributed worker no process knows its share of the step before its users run: the
+    # budget is then counted once they do (late_budget: requests per user times Locust's count of
+    # them). The users draw from it together, so one whose requests end sooner sends more and
+    # `level` requests stay in flight until the step's last, as with `vllm bench serve`.
+    late_budget: Callable[[], int] | None = None
     # No request of a step starts before all of its users run (Locust's spawning_complete): Locust
     # starts users at a limited rate, and early users would otherwise finish before late ones begin.
     spawned: bool = True
@@ -46,18 +44,17 @@ class StepState:
         self,
         level: int,
         budget: int | None,
-        per_user: int | None = None,
-        users_here: Callable[[], int] | None = None,
+        late_budget: Callable[[], int] | None = None,
     ) -> None:
         with self._lock:
             self._close_window()
             # The same level again starts no user, so nothing would report the spawning complete.
             self.spawned = level == self.level
             self.level, self.budget, self.started_requests = level, budget, 0
-            self.per_user, self.started_by_user, self.users_here = per_user, {}, users_here
+            self.late_budget = late_budget
             self.windows.append(StepWindow(level, time.perf_counter(), cpu_started=time.process_time()))
             if self.spawned:
-                self._pool_per_user_budget()
+                self._count_late_budget()
 
     def close(self) -> None:
         """The last step is over: no further request starts here until the next begin or reset
@@ -76,36 +73,32 @@ class StepState:
         for whoever collects them."""
         with self._lock:
             self._close_window()
-            self.level, self.budget, self.per_user, self.spawned = None, None, None, True
+            self.level, self.budget, self.late_budget, self.spawned = None, None, None, True
 
     def mark_spawned(self) -> None:
         with self._lock:
             self.spawned = True
-            self._pool_per_user_budget()
+            self._count_late_budget()
 
-    def _pool_per_user_budget(self) -> None:
-        """Every user of the step runs here: its users' shares become one budget they draw from."""
-        if self.per_user is not None and self.users_here is not None:
-            self.budget, self.per_user = self.per_user * self.users_here(), None
+    def _count_late_budget(self) -> None:
+        """Every user of the step runs here, so this process's share can be counted."""
+        if self.late_budget is not None:
+            self.budget, self.late_budget = self.late_budget(), None
 
-    def try_start(self, user: int = 0) -> tuple[bool, int | None]:
+    def try_start(self) -> tuple[bool, int | None]:
         """(may send now, step label). Outside any step there is no limit and no label."""
         with self._lock:
             if not self.spawned:
                 return False, self.level
             if self.budget is not None and self.started_requests >= self.budget:
                 return False, self.level
-            if self.per_user is not None:
-                if self.started_by_user.get(user, 0) >= self.per_user:
-                    return False, self.level
-                self.started_by_user[user] = self.started_by_user.get(user, 0) + 1
             self.started_requests += 1
             return True, self.level
 
     def reset(self) -> None:
         with self._lock:
             self.level, self.budget, self.started_requests, self.windows = None, None, 0, []
-            self.per_user, self.started_by_user, self.spawned = None, {}, True
+            self.late_budget, self.spawned = None, True
 
 
 def samples_in_step(windows: list[StepWindow], samples: list[tuple[float, float, float]], level: int) -> list[float]:

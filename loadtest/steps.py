@@ -32,9 +32,9 @@ def on_step_message(environment, msg, **_kwargs) -> None:
     if level is None:
         STEP_STATE.close()
     else:
-        STEP_STATE.begin(
-            level, None, per_user=msg.data.get("requests_per_user"), users_here=lambda: environment.runner.user_count
-        )
+        per_user = msg.data.get("requests_per_user")
+        late_budget = (lambda: per_user * environment.runner.user_count) if per_user else None
+        STEP_STATE.begin(level, None, late_budget=late_budget)
 
 
 @events.spawning_complete.add_listener

@@ -131,30 +131,29 @@ def test_no_request_of_a_step_starts_before_all_its_users_run():
     assert state.try_start() == (False, 4)
 
 
-def test_a_distributed_step_budgets_each_user_and_a_closed_step_blocks_until_the_next_run():
+def test_a_distributed_step_is_counted_once_its_users_run_and_a_closed_step_blocks_until_the_next_run():
     state = StepState()
-    state.begin(2, None, per_user=2)
+    state.begin(2, None, late_budget=lambda: 2 * 2)  # 2 users here, 2 requests each
     state.mark_spawned()
-    assert [state.try_start(user=1)[0] for _ in range(3)] == [True, True, False]
-    assert state.try_start(user=2) == (True, 2)
+    assert [state.try_start()[0] for _ in range(5)] == [True, True, True, True, False]
     state.close()
-    assert state.try_start(user=3) == (False, 2)
+    assert state.try_start() == (False, 2)
     state.finish()  # a worker's test_stop: the web UI's next run may have no steps
-    assert state.try_start(user=3) == (True, None)
+    assert state.try_start() == (True, None)
     assert [w.level for w in state.windows] == [2] and state.windows[0].cpu_ended is not None
 
 
 def test_a_workers_users_share_its_part_of_the_step_once_they_all_run():
     users_here = 3
     state = StepState()
-    state.begin(8, None, per_user=2, users_here=lambda: users_here)
-    assert state.try_start(user=1) == (False, 8)  # its users are still starting
+    state.begin(8, None, late_budget=lambda: 2 * users_here)
+    assert state.try_start() == (False, 8)  # its users are still starting
     state.mark_spawned()
     # 3 users x 2 requests, drawn by whichever user is free: one fast user may send them all.
-    assert [state.try_start(user=1)[0] for _ in range(7)] == [True] * 6 + [False]
+    assert [state.try_start()[0] for _ in range(7)] == [True] * 6 + [False]
     users_here = 5  # the same level again: no user starts, the share is counted at once
-    state.begin(8, None, per_user=2, users_here=lambda: users_here)
-    assert sum(state.try_start(user=2)[0] for _ in range(12)) == 10
+    state.begin(8, None, late_budget=lambda: 2 * users_here)
+    assert sum(state.try_start()[0] for _ in range(12)) == 10
 
 
 def test_worker_count_follows_the_highest_level_and_the_cores():
