@@ -197,3 +197,102 @@ def verdict(result: dict) -> str:
             f"{fmt(behind[0]['arrival_rate'])}): rates from there measure it, not the server; add --workers."
         )
     return text
+
+
+# --- Several sweeps of the same server (repeats): the goodput's spread, and each rate across sweeps ---
+
+SWEEP_HEADERS = [
+    "Sweep",
+    "Rates tried (req/s)",
+    "Goodput req/s",
+    "Lowest miss req/s",
+    "Output tok/s at the goodput",
+    "TTFT p95 ms at the goodput",
+    "TPOT p95 ms at the goodput",
+    "Requests (client / vLLM)",
+]
+RATE_HEADERS = [
+    "Offered req/s",
+    "Sweeps that tried it",
+    "Met the objective in",
+    "Arrived req/s",
+    "Output tok/s",
+    "TTFT p95 ms",
+    "TPOT p95 ms",
+    "Most in flight",
+]
+
+
+def sweep_rows(results: list[dict]) -> list[list[str]]:
+    """One row per sweep (a goodput result, summary["goodput"]): what it tried and found."""
+    rows = []
+    for number, result in enumerate(results, 1):
+        at_goodput: dict = next((r for r in result["rows"] if r["offered_rate"] == result["goodput_rps"]), {})
+        check = result.get("vllm") or {}
+        rows.append(
+            [
+                str(number),
+                ", ".join(f"{r['offered_rate']:g}" for r in result["rows"]),
+                "-" if result["goodput_rps"] is None else f"{result['goodput_rps']:g}",
+                "-" if result.get("lowest_miss_rps") is None else f"{result['lowest_miss_rps']:g}",
+                fmt(at_goodput.get("throughput_tok_s"), 0),
+                fmt((at_goodput.get("ttft_ms") or {}).get("p95"), 1),
+                fmt((at_goodput.get("tpot_ms") or {}).get("p95"), 2),
+                f"{check.get('client_requests') or 0:,} / {check.get('vllm_requests') or 0:,.0f}",
+            ]
+        )
+    return rows
+
+
+def rate_rows(results: list[dict]) -> list[list[str]]:
+    """One row per offered rate that any sweep tried: median (min–max) over the sweeps that tried it."""
+    from llmstack.bench.gateway_report import median_range
+
+    by_rate: dict[float, list[dict]] = {}
+    for result in results:
+        for row in result["rows"]:
+            by_rate.setdefault(row["offered_rate"], []).append(row)
+
+    def over(rows: list[dict], figure, digits: int) -> str:
+        values = [value for row in rows if (value := figure(row)) is not None]
+        return median_range(spread(values).as_dict(), digits)
+
+    return [
+        [
+            f"{rate:g}",
+            str(len(rows)),
+            f"{sum(1 for row in rows if row['meets_objective'])} of {len(rows)}",
+            over(rows, lambda row: row.get("arrival_rate"), 1),
+            over(rows, lambda row: row.get("throughput_tok_s"), 0),
+            over(rows, lambda row: (row.get("ttft_ms") or {}).get("p95"), 0),
+            over(rows, lambda row: (row.get("tpot_ms") or {}).get("p95"), 1),
+            over(rows, lambda row: row.get("max_in_flight"), 0),
+        ]
+        for rate, rows in sorted(by_rate.items())
+    ]
+
+
+def repeats_verdict(results: list[dict]) -> str:
+    """The goodput over the sweeps, median (min–max), and where the knee lies: the rates every sweep
+    that tried them met, those only some met, and the lowest that none met."""
+    from llmstack.bench.gateway_report import median_range
+
+    found = [result["goodput_rps"] for result in results if result["goodput_rps"] is not None]
+    by_rate: dict[float, list[bool]] = {}
+    for result in results:
+        for row in result["rows"]:
+            by_rate.setdefault(row["offered_rate"], []).append(row["meets_objective"])
+    goodput_text = median_range(spread(found).as_dict(), 0, lambda value: f"{value:g}") if found else "none"
+    sentences = [f"Goodput over {len(results)} sweeps: {goodput_text} requests/s"]
+    if len(found) < len(results):
+        sentences[0] += f" ({len(results) - len(found)} met the objective at no rate)"
+    always = [rate for rate, met in by_rate.items() if all(met)]
+    sometimes = sorted(rate for rate, met in by_rate.items() if any(met) and not all(met))
+    never = [rate for rate, met in by_rate.items() if not any(met)]
+    if always:
+        sentences.append(f"every sweep that tried it met the objective up to {max(always):g}/s")
+    if sometimes:
+        sentences.append(f"only some met it at {', '.join(f'{rate:g}' for rate in sometimes)}/s")
+    if never:
+        sentences.append(f"none met it at {', '.join(f'{rate:g}' for rate in sorted(never))}/s")
+    return "; ".join(sentences) + "."

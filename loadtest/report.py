@@ -307,8 +307,6 @@ def make_charts(out_dir: Path, summary: dict) -> list[str]:
 
 def goodput_chart(plt, result: dict, path: Path) -> None:
     """Latency percentiles against the offered rate, the objective as a line, the knee marked."""
-    from matplotlib import ticker
-
     rows = [r for r in result["rows"] if r.get("ttft_ms")]
     rates = [r["offered_rate"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -318,17 +316,51 @@ def goodput_chart(plt, result: dict, path: Path) -> None:
     ):
         for quantile, style in (("p50", ":"), ("p95", "-"), ("p99", "--")):
             ax.plot(rates, [r[key][quantile] for r in rows], style, marker="o", label=f"{title} {quantile}")
-        ax.axhline(limit, color="tab:red", linewidth=1, label=f"objective: p95 <= {limit:g} ms")
         knee = result.get("goodput_rps")
         if knee is not None:
             ax.axvline(knee, color="black", linewidth=1.5, label=f"goodput (knee) {knee:g}/s")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
-        ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
-        ax.set_xlabel("Offered rate (requests/s, Poisson)")
-        ax.set_ylabel(f"{title} (ms)")
-        ax.set_title(f"{title} vs offered rate")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        latency_vs_rate_axes(
+            ax, limit, f"{title} (ms)", f"{title} vs offered rate", "Offered rate (requests/s, Poisson)"
+        )
+    save_chart(plt, fig, path)
+
+
+def latency_vs_rate_axes(ax, limit: float, ylabel: str, title: str, xlabel: str) -> None:
+    """The goodput charts' axes: log-log, plain numbers, the objective as a red line, a legend."""
+    from matplotlib import ticker
+
+    ax.axhline(limit, color="tab:red", linewidth=1, label=f"objective: p95 <= {limit:g} ms")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+    ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def goodput_sweeps_chart(plt, results: list[dict], path: Path) -> None:
+    """TTFT p95 and TPOT p95 against the offered rate, one line per sweep, each sweep's goodput marked."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, title, limit in (
+        (axes[0], "ttft_ms", "TTFT p95", results[0]["objective"]["ttft_p95_ms"]),
+        (axes[1], "tpot_ms", "TPOT p95", results[0]["objective"]["tpot_p95_ms"]),
+    ):
+        for number, result in enumerate(results, 1):
+            rows = sorted((r for r in result["rows"] if r.get(key)), key=lambda r: r["offered_rate"])
+            (line,) = ax.plot(
+                [r["offered_rate"] for r in rows], [r[key]["p95"] for r in rows], marker="o", label=f"sweep {number}"
+            )
+            if result.get("goodput_rps") is not None:
+                ax.axvline(result["goodput_rps"], color=line.get_color(), linestyle=":", linewidth=1.5)
+        latency_vs_rate_axes(
+            ax,
+            limit,
+            f"{title} (ms)",
+            f"{title} vs offered rate, {len(results)} sweeps",
+            "Offered rate (requests/s, Poisson); dotted: each sweep's goodput",
+        )
     save_chart(plt, fig, path)

@@ -14,6 +14,8 @@ output tokens/s (target within 3 %), TTFT p50 (5 %) and mean TPOT (3 %). A diffe
 the spread of either side's repeats counts as none. A second table gives the server's view: how many
 requests each client kept in flight on average (Little's law, from its own figures) and vLLM's
 histograms over each client's requests, so a client that offered less load than its level shows.
+Where the clients and vLLM share this host's network (--vllm-url), every run also records the
+kernel's SYN retransmissions and listen-queue overflows (a dropped connection costs its client 1 s).
 The harness spreads its clients over --workers processes (loadtest.distributed). --json for
 machine-readable output, --output to a file.
 
@@ -115,6 +117,38 @@ class Target:
 
 def snapshot(stack: ComposeStack | HostVllm) -> Snapshot:
     return Snapshot.from_text(stack.get("/metrics"))
+
+
+# The kernel's TCP counters that show connections lost on the way in: a SYN that the listener's
+# full queue dropped costs the client a retransmission 1 s later (TcpExt TCPSynRetrans).
+TCP_COUNTERS = {
+    "syn_retrans": ("/proc/net/netstat", "TcpExt", "TCPSynRetrans"),
+    "listen_overflows": ("/proc/net/netstat", "TcpExt", "ListenOverflows"),
+    "listen_drops": ("/proc/net/netstat", "TcpExt", "ListenDrops"),
+}
+
+
+def tcp_counters() -> dict[str, int]:
+    """TCP_COUNTERS now, from this network namespace's /proc/net files (those found; none elsewhere)."""
+    tables: dict[str, dict[str, int]] = {}
+    for path in {path for path, _, _ in TCP_COUNTERS.values()}:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError:
+            continue
+        # Each protocol is a pair of lines: "TcpExt: name name ..." then "TcpExt: value value ...".
+        for names, values in zip(lines[::2], lines[1::2], strict=False):
+            prefix, _, names_rest = names.partition(":")
+            tables[prefix] = dict(
+                zip(names_rest.split(), (int(v) for v in values.partition(":")[2].split()), strict=False)
+            )
+    return {
+        key: tables[prefix][name] for key, (_, prefix, name) in TCP_COUNTERS.items() if name in tables.get(prefix, {})
+    }
+
+
+def tcp_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {key: after[key] - before[key] for key in before if key in after}
 
 
 def mean_ms(before: Snapshot, after: Snapshot, name: str) -> float | None:
@@ -257,6 +291,8 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
             entry: dict = {"concurrency": level, "repeat": repeat, "order": list(order)}
             for client in order:
                 progress(f"concurrency {level}, repeat {repeat + 1}/{args.repeats}: {client}")
+                # Only where client and vLLM share this network namespace (not the compose stack).
+                tcp_before = {} if target.in_compose else tcp_counters()
                 if client == "harness":
                     measured = harness_level(target, args, level)
                     row, check = measured["row"], measured["check"]
@@ -279,6 +315,8 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
                 else:
                     bench = bench_serve(target, args, level, model, args.tokenizer or model_root, round(prompt_tokens))
                     entry.update({f"bench_{key}": value for key, value in bench.items()})
+                if tcp_before:
+                    entry.update({f"{client}_{key}": n for key, n in tcp_delta(tcp_before, tcp_counters()).items()})
             runs.append(entry)
             progress(f"concurrency {level}, repeat {repeat + 1}: done after {time.monotonic() - started:.0f} s")
     return {
@@ -323,6 +361,22 @@ def summarize_level(level: int, runs: list[dict]) -> dict:
     return summary
 
 
+def merge_results(parts: list[dict]) -> dict:
+    """Several --repeats results of one server (e.g. its low and high levels, run one after the
+    other) as one: their levels and runs in order, the first one's settings otherwise."""
+    if len({part["settings"]["max_tokens"] for part in parts}) > 1:
+        raise ValueError("the results differ in --max-tokens: their levels are not comparable")
+    return {
+        "environment": parts[0]["environment"],
+        "settings": {
+            **parts[0]["settings"],
+            "levels": [level for part in parts for level in part["settings"]["levels"]],
+        },
+        "runs": [run for part in parts for run in part["runs"]],
+        "levels": [level for part in parts for level in part["levels"]],
+    }
+
+
 def repeats_table(data: dict) -> str:
     """Per level: median (min-max) of the repeats, harness and `vllm bench serve`, the difference
     and whether it is beyond the spread and within its target."""
@@ -365,13 +419,17 @@ def mean_in_flight(run: dict, side: str, max_tokens: int) -> float | None:
     return tok_s / max_tokens * (ttft + (max_tokens - 1) * tpot) / 1000
 
 
-SERVER_VIEW = (  # (header, figure of one run)
-    ("harness mean in flight", lambda run, n: mean_in_flight(run, "harness", n)),
-    ("bench mean in flight", lambda run, n: mean_in_flight(run, "bench", n)),
-    ("vLLM hist TTFT mean ms, harness's requests", lambda run, n: run.get("vllm_hist_ttft_ms")),
-    ("vLLM hist TTFT mean ms, bench's", lambda run, n: run.get("bench_vllm_ttft_ms")),
-    ("vLLM hist TPOT mean ms, harness's requests", lambda run, n: run.get("vllm_hist_tpot_ms")),
-    ("vLLM hist TPOT mean ms, bench's", lambda run, n: run.get("bench_vllm_tpot_ms")),
+SERVER_VIEW = (  # (header, figure of one run, digits)
+    ("harness mean in flight", lambda run, n: mean_in_flight(run, "harness", n), 1),
+    ("bench mean in flight", lambda run, n: mean_in_flight(run, "bench", n), 1),
+    ("vLLM hist TTFT mean ms, harness's requests", lambda run, n: run.get("vllm_hist_ttft_ms"), 1),
+    ("vLLM hist TTFT mean ms, bench's", lambda run, n: run.get("bench_vllm_ttft_ms"), 1),
+    ("vLLM hist TPOT mean ms, harness's requests", lambda run, n: run.get("vllm_hist_tpot_ms"), 1),
+    ("vLLM hist TPOT mean ms, bench's", lambda run, n: run.get("bench_vllm_tpot_ms"), 1),
+    ("SYN retransmissions, harness run", lambda run, n: run.get("harness_syn_retrans"), 0),
+    ("SYN retransmissions, bench run", lambda run, n: run.get("bench_syn_retrans"), 0),
+    ("listen queue overflows, harness run", lambda run, n: run.get("harness_listen_overflows"), 0),
+    ("listen queue overflows, bench run", lambda run, n: run.get("bench_listen_overflows"), 0),
 )
 
 
@@ -379,15 +437,17 @@ def server_view_table(data: dict) -> str:
     """Per level, median (min-max) over the repeats: how many requests each client really kept in
     flight, and how fast vLLM's own histograms say the server served each client's requests."""
     max_tokens = data["settings"]["max_tokens"]
+    # A column that no run has (the TCP counters of a run on the compose stack, or older files) is left out.
+    columns = [column for column in SERVER_VIEW if any(column[1](run, max_tokens) is not None for run in data["runs"])]
     rows = []
     for level in data["settings"]["levels"]:
         runs = [run for run in data["runs"] if run["concurrency"] == level]
         row = [str(level)]
-        for _, figure in SERVER_VIEW:
+        for _, figure, digits in columns:
             values = [value for run in runs if (value := figure(run, max_tokens)) is not None]
-            row.append(median_range(spread(values).as_dict(), 1))
+            row.append(median_range(spread(values).as_dict(), digits))
         rows.append(row)
-    return md_table(["Clients", *(header for header, _ in SERVER_VIEW)], rows)
+    return md_table(["Clients", *(header for header, _, _ in columns)], rows)
 
 
 TABLE_COLUMNS = (  # (header, key, digits)

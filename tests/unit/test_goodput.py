@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from llmstack.cli import UsageError
 from llmstack.sse import COMPLETIONS, RequestRecord
-from loadtest.goodput import Objective, RateSearch, generator_limited, rate_label, rate_row, requests_for_rate
+from loadtest import goodput_sweeps
+from loadtest.goodput import (
+    Objective,
+    RateSearch,
+    generator_limited,
+    rate_label,
+    rate_row,
+    rate_rows,
+    repeats_verdict,
+    requests_for_rate,
+    sweep_rows,
+)
 from loadtest.settings import SettingsError, parse_rates
 
 OBJECTIVE = Objective(ttft_p95_ms=200, tpot_p95_ms=50)
@@ -81,3 +95,75 @@ def test_rates_labels_and_counts():
     assert rate_label(2.0) == "rate 2/s" and rate_label(0.5) == "rate 0.5/s"
     assert requests_for_rate(1, 20, 40, 1) == 40
     assert requests_for_rate(10, 20, 40, 3) == 201
+
+
+def sweep_result(goodput_rps, miss, rows):
+    """A goodput result as `experiments goodput` writes it: rows of (rate, met, TTFT p95 ms)."""
+    return {
+        "objective": {"ttft_p95_ms": 200.0, "tpot_p95_ms": 50.0},
+        "goodput_rps": goodput_rps,
+        "lowest_miss_rps": miss,
+        "vllm": {"client_requests": 10 * len(rows), "vllm_requests": 10.0 * len(rows)},
+        "rows": [
+            {
+                "offered_rate": rate,
+                "arrival_rate": rate,
+                "requests": 10,
+                "failures": 0,
+                "throughput_tok_s": 50.0 * rate,
+                "ttft_ms": {"p50": ttft / 2, "p95": ttft, "p99": ttft},
+                "tpot_ms": {"p50": 3.0, "p95": 5.0, "p99": 6.0},
+                "max_in_flight": int(rate),
+                "meets_objective": met,
+            }
+            for rate, met, ttft in rows
+        ],
+    }
+
+
+SWEEPS = [
+    sweep_result(8, 16, [(8, True, 100), (16, False, 300), (12, False, 250)]),
+    sweep_result(12, 16, [(8, True, 120), (16, False, 400), (12, True, 190)]),
+    sweep_result(8, 16, [(8, True, 80), (16, False, 350), (12, False, 210)]),
+]
+
+
+def test_sweeps_give_the_goodputs_spread_and_each_rate_across_them():
+    rows = sweep_rows(SWEEPS)
+    assert rows[1][:4] == ["2", "8, 16, 12", "12", "16"] and rows[1][5] == "190.0" and rows[1][7] == "30 / 30"
+    by_rate = {row[0]: row for row in rate_rows(SWEEPS)}
+    assert list(by_rate) == ["8", "12", "16"]  # each rate once, lowest first
+    assert by_rate["8"][1:3] == ["3", "3 of 3"] and by_rate["8"][5] == "100 (80–120)"
+    assert by_rate["12"][2] == "1 of 3" and by_rate["16"][2] == "0 of 3"
+    assert repeats_verdict(SWEEPS) == (
+        "Goodput over 3 sweeps: 8 (8–12) requests/s; every sweep that tried it met the objective up to 8/s; "
+        "only some met it at 12/s; none met it at 16/s."
+    )
+    nothing = sweep_result(None, 8, [(8, False, 900)])
+    assert repeats_verdict([nothing]).startswith(
+        "Goodput over 1 sweeps: none requests/s (1 met the objective at no rate)"
+    )
+
+
+def test_sweeps_read_files_and_folders_and_refuse_other_json(tmp_path):
+    folder = tmp_path / "sweeps"
+    folder.mkdir()
+    for number, result in enumerate(SWEEPS, 1):
+        (folder / f"sweep-{number}.json").write_text(json.dumps({"goodput": result}))
+    assert [s["goodput"]["goodput_rps"] for s in goodput_sweeps.read_summaries([str(folder)])] == [8, 12, 8]
+    assert "Goodput over 3 sweeps" in goodput_sweeps.report(goodput_sweeps.read_summaries([str(folder)]))
+    chart = tmp_path / "sweeps.png"
+    assert goodput_sweeps.main([str(folder), "--chart", str(chart)]) == 0
+    assert chart.read_bytes().startswith(b"\x89PNG")
+    (tmp_path / "other.json").write_text(json.dumps({"concurrency": {}}))
+    for paths, message in (
+        ([str(tmp_path / "missing")], "no such file or folder"),
+        ([str(tmp_path / "other.json")], "no 'goodput' result"),
+        ([str(tmp_path)], "no 'goodput' result"),  # other.json is among the folder's files
+    ):
+        with pytest.raises(UsageError, match=message):
+            goodput_sweeps.read_summaries(paths)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UsageError, match="no goodput summaries"):
+        goodput_sweeps.read_summaries([str(empty)])

@@ -1,0 +1,82 @@
+"""Several goodput sweeps of the same server side by side: the goodput's spread over the sweeps,
+each offered rate's figures across them (median (min–max)), and a chart of TTFT p95 and TPOT p95
+against the offered rate with one line per sweep.
+
+Each input is what `python -m loadtest.experiments goodput --json` printed, or its summary.json, or
+a folder of such files (read in name order). One sweep's knee moves with the noise of a few seconds
+of Poisson arrivals; repeat the sweep (>= 3) and read the spread.
+
+  python -m loadtest.goodput_sweeps docs/loadtest/goodput-h100-sweeps --chart docs/loadtest/goodput-h100-sweeps.png
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from llmstack.bench.gateway_report import md_table
+from llmstack.cli import UsageError, add_json_argument, main_exit, parser_from_doc
+from loadtest import goodput
+
+PROG = "python -m loadtest.goodput_sweeps"
+
+
+def read_summaries(paths: list[str]) -> list[dict]:
+    """The goodput summaries in `paths` (files, or folders of *.json files), in order."""
+    files: list[Path] = []
+    for name in paths:
+        path = Path(name)
+        if path.is_dir():
+            files += sorted(path.glob("*.json"))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise UsageError(f"{name}: no such file or folder")
+    summaries = []
+    for file in files:
+        try:
+            summary = json.loads(file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UsageError(f"{file}: not a goodput summary ({exc})") from None
+        if not isinstance(summary, dict) or not isinstance(summary.get("goodput"), dict):
+            raise UsageError(f"{file}: not a goodput summary (no 'goodput' result; made by `experiments goodput`?)")
+        summaries.append(summary)
+    if not summaries:
+        raise UsageError(f"no goodput summaries in {', '.join(paths)}")
+    return summaries
+
+
+def report(summaries: list[dict]) -> str:
+    """The two tables and the verdict, as markdown (python -m llmstack.docs renders the same)."""
+    results = [summary["goodput"] for summary in summaries]
+    return (
+        md_table(goodput.SWEEP_HEADERS, goodput.sweep_rows(results))
+        + "\n\n"
+        + md_table(goodput.RATE_HEADERS, goodput.rate_rows(results))
+        + f"\n\n{goodput.repeats_verdict(results)}\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = parser_from_doc(PROG, __doc__)
+    parser.add_argument("inputs", nargs="+", metavar="FILE_OR_FOLDER", help="goodput summaries (JSON)")
+    parser.add_argument("--chart", help="write the PNG chart here")
+    add_json_argument(parser)
+    args = parser.parse_args(argv)
+    summaries = read_summaries(args.inputs)
+    if args.chart:
+        from llmstack.cli import load_pyplot
+        from loadtest.report import goodput_sweeps_chart
+
+        goodput_sweeps_chart(load_pyplot(), [summary["goodput"] for summary in summaries], Path(args.chart))
+    if args.json:
+        results = [summary["goodput"] for summary in summaries]
+        found = [result["goodput_rps"] for result in results]
+        print(json.dumps({"sweeps": len(results), "goodput_rps": found}, indent=2))
+    else:
+        print(report(summaries))
+    return 0
+
+
+if __name__ == "__main__":
+    main_exit(PROG, main)
