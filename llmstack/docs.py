@@ -32,7 +32,7 @@ from llmstack.bench.gateway_report import md_table, memory_table
 from llmstack.bench.loadtest_fidelity import markdown_table as fidelity_table
 from llmstack.cli import StackError, main_exit, parser_from_doc
 from llmstack.stats import difference
-from loadtest import goodput
+from loadtest import goodput, goodput_sweeps
 
 PROG = "python -m llmstack.docs"
 GPU_SUMMARY = "docs/gpu-results/summary.json"
@@ -126,8 +126,14 @@ def h200_summary(summary: dict) -> str:
 
 @dataclass(frozen=True)
 class Generator:
-    source: str
+    source: str  # a JSON file, or a folder whose *.json files are read, in name order, as a list
     render: Callable[[object], str]
+
+
+def read_source(path: Path) -> object:
+    if path.is_dir():
+        return [json.loads(file.read_text()) for file in sorted(path.glob("*.json"))]
+    return json.loads(path.read_text())
 
 
 def goodput_report(summary: dict) -> str:
@@ -179,7 +185,22 @@ for _stem in ("fidelity-h100", "fidelity-h100-saturation"):
     _source = f"docs/loadtest/{_stem}.json"
     GENERATORS[_stem] = Generator(_source, loadtest_fidelity.repeats_table)  # type: ignore[arg-type]
     GENERATORS[f"{_stem}-server"] = Generator(_source, loadtest_fidelity.server_view_table)  # type: ignore[arg-type]
+for _stem in ("fidelity-h100-512-8-workers", "fidelity-h100-512-12-per-client"):
+    _source = f"docs/loadtest/{_stem}.json"
+    GENERATORS[_stem] = Generator(_source, loadtest_fidelity.repeats_table)  # type: ignore[arg-type]
+    GENERATORS[f"{_stem}-server"] = Generator(_source, loadtest_fidelity.server_view_table)  # type: ignore[arg-type]
+# One lease's ladder, run as two commands (1-64 and 256-512 clients): one table.
+_source = "docs/loadtest/fidelity-h100-pooled"
+GENERATORS["fidelity-h100-pooled"] = Generator(
+    _source,
+    lambda parts: loadtest_fidelity.repeats_table(loadtest_fidelity.merge_results(parts)),  # type: ignore[arg-type]
+)
+GENERATORS["fidelity-h100-pooled-server"] = Generator(
+    _source,
+    lambda parts: loadtest_fidelity.server_view_table(loadtest_fidelity.merge_results(parts)),  # type: ignore[arg-type]
+)
 GENERATORS["goodput-h100"] = Generator("docs/loadtest/goodput-h100.json", goodput_report)  # type: ignore[arg-type]
+GENERATORS["goodput-h100-sweeps"] = Generator("docs/loadtest/goodput-h100-sweeps", goodput_sweeps.report)  # type: ignore[arg-type]
 DOCUMENTS = (
     *("README.md", "docs/gpu-results.md", "docs/loadtest.md", "docs/gateway-policy.md", "docs/soak.md"),
     "docs/routing.md",
@@ -196,7 +217,7 @@ def regenerate(text: str, root: Path = REPO_ROOT) -> str:
             raise StackError(f"unknown generated block {name!r} (known: {', '.join(GENERATORS)})")
         if source != generator.source:
             raise StackError(f"block {name} names {source}, but it is made from {generator.source}")
-        data = json.loads((root / source).read_text())
+        data = read_source(root / source)
         return match["head"] + generator.render(data) + "\n" + match["tail"]
 
     return BLOCK.sub(replace, text)

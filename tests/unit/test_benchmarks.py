@@ -399,13 +399,23 @@ def test_generated_doc_tables_match_their_result_files():
 def test_a_stale_generated_table_is_found(tmp_path):
     for name in {*docs.DOCUMENTS, *(generator.source for generator in docs.GENERATORS.values())}:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(REPO_ROOT / name, tmp_path / name)
+        if (REPO_ROOT / name).is_dir():  # a folder of result files, read as a list
+            shutil.copytree(REPO_ROOT / name, tmp_path / name)
+        else:
+            shutil.copy(REPO_ROOT / name, tmp_path / name)
     results = json.loads((tmp_path / docs.GPU_SUMMARY).read_text())
     results["concurrency"][0]["direct"]["throughput_tok_s"] = 999.0
     (tmp_path / docs.GPU_SUMMARY).write_text(json.dumps(results))
     stale = docs.stale_blocks(tmp_path)
     assert "README.md: h200-short" in stale and "docs/gpu-results.md: h200-summary" in stale
     assert "docs/loadtest.md: h200-fidelity" not in stale
+    # A folder source: one sweep changed makes its block stale, and only that one.
+    sweep = tmp_path / "docs/loadtest/goodput-h100-sweeps/sweep-1.json"
+    summary = json.loads(sweep.read_text())
+    summary["goodput"]["goodput_rps"] = 144.0
+    sweep.write_text(json.dumps(summary))
+    assert "docs/loadtest.md: goodput-h100-sweeps" in docs.stale_blocks(tmp_path)
+    assert "docs/loadtest.md: goodput-h100" not in docs.stale_blocks(tmp_path)
     # The README's table is the generated one: its first row is the summary's first level.
     assert "| 1 | 999 | 369 | 18.2 / 18.6 | 2.42 |" in docs.regenerate((tmp_path / "README.md").read_text(), tmp_path)
 
@@ -474,7 +484,31 @@ def test_fidelity_server_view_counts_requests_in_flight_by_littles_law():
         for i in range(3)
     ]
     table = loadtest_fidelity.server_view_table({"settings": {"levels": [4], "max_tokens": 50}, "runs": runs})
-    assert "| 4 | 4.0 (4.0–4.0) | 4.0 (4.0–4.0) | - |" in table
+    assert table.endswith("| 4 | 4.0 (4.0–4.0) | 4.0 (4.0–4.0) |")
+    # A figure no run has is no column: vLLM's histograms here, and the TCP counters of runs on the
+    # compose stack (or in older files); runs with them get them.
+    assert "vLLM hist" not in table and "SYN" not in table
+    counted = [run | {"harness_syn_retrans": 0, "bench_syn_retrans": 2 * i} for i, run in enumerate(runs)]
+    table = loadtest_fidelity.server_view_table({"settings": {"levels": [4], "max_tokens": 50}, "runs": counted})
+    assert "SYN retransmissions, bench run" in table and "| 0 (0–0) | 2 (0–4) |" in table
+    assert "listen queue" not in table
+
+
+def test_fidelity_reads_the_kernels_tcp_counters_and_merges_results():
+    from llmstack.bench import loadtest_fidelity
+
+    counters = loadtest_fidelity.tcp_counters()  # this Linux host's own /proc/net/netstat
+    assert set(counters) == {"syn_retrans", "listen_overflows", "listen_drops"}
+    assert all(isinstance(value, int) and value >= 0 for value in counters.values())
+    assert loadtest_fidelity.tcp_delta({"syn_retrans": 3, "gone": 1}, {"syn_retrans": 5}) == {"syn_retrans": 2}
+    low = {"environment": {"date": "d"}, "settings": {"levels": [1], "max_tokens": 50}, "runs": [{"concurrency": 1}]}
+    high = {"environment": {}, "settings": {"levels": [512], "max_tokens": 50}, "runs": [{"concurrency": 512}]}
+    low["levels"], high["levels"] = [{"concurrency": 1}], [{"concurrency": 512}]
+    merged = loadtest_fidelity.merge_results([low, high])
+    assert merged["settings"]["levels"] == [1, 512] and [r["concurrency"] for r in merged["runs"]] == [1, 512]
+    assert merged["environment"] == {"date": "d"} and len(merged["levels"]) == 2
+    with pytest.raises(ValueError, match="max-tokens"):
+        loadtest_fidelity.merge_results([low, high | {"settings": {"levels": [512], "max_tokens": 80}}])
 
 
 def test_cpu_placement_sets_the_env_files_settings_and_puts_them_back(tmp_path):
