@@ -326,6 +326,12 @@ def test_tables_render_lab_columns():
     text = report.render_tables(summary)
     assert "Concurrency | Throughput (tok/s) | Avg TPS per request | Total time (s)" in text
     assert "1.00/2.00/3.00" in text
+    assert "not held" not in text  # no mean in flight: nothing to judge
+    rows = summary["concurrency"]["rows"]  # type: ignore[index]
+    rows[0]["mean_in_flight"] = 0.95
+    rows.append(rows[0] | {"concurrency": 512, "mean_in_flight": 393.2})
+    note = report.render_tables(summary).splitlines()[-1]
+    assert note.startswith("Level not held (512 clients held 393.2 requests in flight on average)")
 
 
 @pytest.mark.parametrize("argv", [["bogus"], ["--levels", "0"], ["--max-tokens", "1"]])
