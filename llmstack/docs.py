@@ -132,7 +132,10 @@ class Generator:
 
 def read_source(path: Path) -> object:
     if path.is_dir():
-        return [json.loads(file.read_text()) for file in sorted(path.glob("*.json"))]
+        files = sorted(path.glob("*.json"))
+        if not files:
+            raise StackError(f"{path} holds no result file (*.json)")
+        return [json.loads(file.read_text()) for file in files]
     return json.loads(path.read_text())
 
 
@@ -181,11 +184,12 @@ for _stem in ("h100", "h100-kv", "cpu"):
 for _stem in ("packet-timing-cpu-before", "packet-timing-cpu"):
     GENERATORS[_stem] = Generator(f"docs/loadtest/{_stem}.json", packet_timing.tables)  # type: ignore[arg-type]
 GENERATORS["cpu-placement"] = Generator("docs/loadtest/cpu-placement.json", cpu_placement.table)  # type: ignore[arg-type]
-for _stem in ("fidelity-h100", "fidelity-h100-saturation"):
-    _source = f"docs/loadtest/{_stem}.json"
-    GENERATORS[_stem] = Generator(_source, loadtest_fidelity.repeats_table)  # type: ignore[arg-type]
-    GENERATORS[f"{_stem}-server"] = Generator(_source, loadtest_fidelity.server_view_table)  # type: ignore[arg-type]
-for _stem in ("fidelity-h100-512-8-workers", "fidelity-h100-512-12-per-client"):
+for _stem in (
+    "fidelity-h100",
+    "fidelity-h100-saturation",
+    "fidelity-h100-512-8-workers",
+    "fidelity-h100-512-12-per-client",
+):
     _source = f"docs/loadtest/{_stem}.json"
     GENERATORS[_stem] = Generator(_source, loadtest_fidelity.repeats_table)  # type: ignore[arg-type]
     GENERATORS[f"{_stem}-server"] = Generator(_source, loadtest_fidelity.server_view_table)  # type: ignore[arg-type]
@@ -200,7 +204,7 @@ GENERATORS["fidelity-h100-pooled-server"] = Generator(
     lambda parts: loadtest_fidelity.server_view_table(loadtest_fidelity.merge_results(parts)),  # type: ignore[arg-type]
 )
 GENERATORS["goodput-h100"] = Generator("docs/loadtest/goodput-h100.json", goodput_report)  # type: ignore[arg-type]
-GENERATORS["goodput-h100-sweeps"] = Generator("docs/loadtest/goodput-h100-sweeps", goodput_sweeps.report)  # type: ignore[arg-type]
+GENERATORS["goodput-h100-sweeps"] = Generator("docs/loadtest/goodput-h100-sweeps", goodput_sweeps.docs_report)  # type: ignore[arg-type]
 DOCUMENTS = (
     *("README.md", "docs/gpu-results.md", "docs/loadtest.md", "docs/gateway-policy.md", "docs/soak.md"),
     "docs/routing.md",

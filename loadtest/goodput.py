@@ -11,9 +11,10 @@ rate that met it and the first that did not.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmstack.bench.gateway_report import fmt
+from llmstack.bench.gateway_report import fmt, median_range
 from llmstack.sse import RequestRecord
 from llmstack.stats import percentile, spread
 from loadtest.results import span
@@ -244,16 +245,20 @@ def sweep_rows(results: list[dict]) -> list[list[str]]:
     return rows
 
 
-def rate_rows(results: list[dict]) -> list[list[str]]:
-    """One row per offered rate that any sweep tried: median (min–max) over the sweeps that tried it."""
-    from llmstack.bench.gateway_report import median_range
-
+def rows_by_rate(results: list[dict]) -> dict[float, list[dict]]:
+    """Every sweep's row of each offered rate, lowest rate first. Rates are keyed as the bisection
+    rounds them (3 decimals), so one rate reached two ways is one rate."""
     by_rate: dict[float, list[dict]] = {}
     for result in results:
         for row in result["rows"]:
-            by_rate.setdefault(row["offered_rate"], []).append(row)
+            by_rate.setdefault(round(row["offered_rate"], 3), []).append(row)
+    return dict(sorted(by_rate.items()))
 
-    def over(rows: list[dict], figure, digits: int) -> str:
+
+def rate_rows(results: list[dict]) -> list[list[str]]:
+    """One row per offered rate that any sweep tried: median (min–max) over the sweeps that tried it."""
+
+    def over(rows: list[dict], figure: Callable[[dict], float | None], digits: int) -> str:
         values = [value for row in rows if (value := figure(row)) is not None]
         return median_range(spread(values).as_dict(), digits)
 
@@ -268,31 +273,38 @@ def rate_rows(results: list[dict]) -> list[list[str]]:
             over(rows, lambda row: (row.get("tpot_ms") or {}).get("p95"), 1),
             over(rows, lambda row: row.get("max_in_flight"), 0),
         ]
-        for rate, rows in sorted(by_rate.items())
+        for rate, rows in rows_by_rate(results).items()
     ]
 
 
 def repeats_verdict(results: list[dict]) -> str:
-    """The goodput over the sweeps, median (min–max), and where the knee lies: the rates every sweep
-    that tried them met, those only some met, and the lowest that none met."""
-    from llmstack.bench.gateway_report import median_range
-
+    """The goodput over the sweeps, median (min–max), and where the knee lies: up to which rate every
+    sweep met the objective, the rates above it that only some met, and those none met."""
     found = [result["goodput_rps"] for result in results if result["goodput_rps"] is not None]
-    by_rate: dict[float, list[bool]] = {}
-    for result in results:
-        for row in result["rows"]:
-            by_rate.setdefault(row["offered_rate"], []).append(row["meets_objective"])
-    goodput_text = median_range(spread(found).as_dict(), 0, lambda value: f"{value:g}") if found else "none"
-    sentences = [f"Goodput over {len(results)} sweeps: {goodput_text} requests/s"]
-    if len(found) < len(results):
-        sentences[0] += f" ({len(results) - len(found)} met the objective at no rate)"
-    always = [rate for rate, met in by_rate.items() if all(met)]
-    sometimes = sorted(rate for rate, met in by_rate.items() if any(met) and not all(met))
-    never = [rate for rate, met in by_rate.items() if not any(met)]
-    if always:
-        sentences.append(f"every sweep that tried it met the objective up to {max(always):g}/s")
+    sweeps = f"{len(results)} sweep{'s' if len(results) != 1 else ''}"
+    if found:
+        text = f"Goodput over {sweeps}: {median_range(spread(found).as_dict(), 0, lambda v: f'{v:g}')} requests/s"
+        if len(found) < len(results):
+            text += f" ({len(results) - len(found)} met the objective at no rate, left out)"
+    else:
+        text = f"Goodput over {sweeps}: none (no rate met the objective)"
+    met = {rate: [row["meets_objective"] for row in rows] for rate, rows in rows_by_rate(results).items()}
+    held = None  # the highest rate up to which every rate tried was met by every sweep that tried it
+    for rate, outcomes in met.items():
+        if not all(outcomes):
+            break
+        held = rate
+    above = {rate: outcomes for rate, outcomes in met.items() if held is None or rate > held}
+    again = [rate for rate, outcomes in above.items() if all(outcomes)]  # met above a rate that was missed
+    sometimes = [rate for rate, outcomes in above.items() if any(outcomes) and not all(outcomes)]
+    never = [rate for rate, outcomes in above.items() if not any(outcomes)]
+    parts = [text]
+    if held is not None:
+        parts.append(f"every sweep met it at every rate up to {held:g}/s")
+    if again:
+        parts.append(f"every sweep that tried it met it again at {', '.join(f'{rate:g}' for rate in again)}/s")
     if sometimes:
-        sentences.append(f"only some met it at {', '.join(f'{rate:g}' for rate in sometimes)}/s")
-    if never:
-        sentences.append(f"none met it at {', '.join(f'{rate:g}' for rate in sorted(never))}/s")
-    return "; ".join(sentences) + "."
+        parts.append(f"only some met it at {', '.join(f'{rate:g}' for rate in sometimes)}/s")
+    if never and found:
+        parts.append(f"none met it at {', '.join(f'{rate:g}' for rate in never)}/s")
+    return "; ".join(parts) + "."

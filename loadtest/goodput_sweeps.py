@@ -38,17 +38,36 @@ def read_summaries(paths: list[str]) -> list[dict]:
             summary = json.loads(file.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise UsageError(f"{file}: not a goodput summary ({exc})") from None
-        if not isinstance(summary, dict) or not isinstance(summary.get("goodput"), dict):
-            raise UsageError(f"{file}: not a goodput summary (no 'goodput' result; made by `experiments goodput`?)")
+        problem = summary_problem(summary)
+        if problem:
+            raise UsageError(f"{file}: not a goodput summary ({problem}; made by `experiments goodput --json`?)")
         summaries.append(summary)
     if not summaries:
         raise UsageError(f"no goodput summaries in {', '.join(paths)}")
+    objectives = {json.dumps(summary["goodput"]["objective"], sort_keys=True) for summary in summaries}
+    if len(objectives) > 1:
+        raise UsageError(f"the sweeps have different latency objectives ({' vs '.join(sorted(objectives))})")
     return summaries
 
 
-def report(summaries: list[dict]) -> str:
+def summary_problem(summary: object) -> str:
+    """What keeps `summary` from being one sweep's result, or ''."""
+    result = summary.get("goodput") if isinstance(summary, dict) else None
+    if not isinstance(result, dict):
+        return "no 'goodput' result"
+    missing = [key for key in ("objective", "goodput_rps", "rows") if key not in result]
+    if missing:
+        return f"its goodput result lacks {', '.join(missing)}"
+    rows = result["rows"]
+    if not isinstance(rows, list) or not all(
+        isinstance(row, dict) and {"offered_rate", "meets_objective"} <= row.keys() for row in rows
+    ):
+        return "a rate's row lacks offered_rate or meets_objective"
+    return ""
+
+
+def report(results: list[dict]) -> str:
     """The two tables and the verdict, as markdown (python -m llmstack.docs renders the same)."""
-    results = [summary["goodput"] for summary in summaries]
     return (
         md_table(goodput.SWEEP_HEADERS, goodput.sweep_rows(results))
         + "\n\n"
@@ -57,24 +76,30 @@ def report(summaries: list[dict]) -> str:
     )
 
 
+def docs_report(summaries: list[dict]) -> str:
+    """report() of the summaries in a folder, as llmstack.docs reads it."""
+    return report([summary["goodput"] for summary in summaries])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = parser_from_doc(PROG, __doc__)
     parser.add_argument("inputs", nargs="+", metavar="FILE_OR_FOLDER", help="goodput summaries (JSON)")
     parser.add_argument("--chart", help="write the PNG chart here")
     add_json_argument(parser)
     args = parser.parse_args(argv)
-    summaries = read_summaries(args.inputs)
+    results = [summary["goodput"] for summary in read_summaries(args.inputs)]
     if args.chart:
         from llmstack.cli import load_pyplot
         from loadtest.report import goodput_sweeps_chart
 
-        goodput_sweeps_chart(load_pyplot(), [summary["goodput"] for summary in summaries], Path(args.chart))
+        try:
+            goodput_sweeps_chart(load_pyplot(), results, Path(args.chart))
+        except OSError as exc:
+            raise UsageError(f"--chart {args.chart}: {exc.strerror or exc}") from None
     if args.json:
-        results = [summary["goodput"] for summary in summaries]
-        found = [result["goodput_rps"] for result in results]
-        print(json.dumps({"sweeps": len(results), "goodput_rps": found}, indent=2))
+        print(json.dumps({"sweeps": len(results), "goodput_rps": [r["goodput_rps"] for r in results]}, indent=2))
     else:
-        print(report(summaries))
+        print(report(results))
     return 0
 
 

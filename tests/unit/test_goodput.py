@@ -136,12 +136,22 @@ def test_sweeps_give_the_goodputs_spread_and_each_rate_across_them():
     assert by_rate["8"][1:3] == ["3", "3 of 3"] and by_rate["8"][5] == "100 (80–120)"
     assert by_rate["12"][2] == "1 of 3" and by_rate["16"][2] == "0 of 3"
     assert repeats_verdict(SWEEPS) == (
-        "Goodput over 3 sweeps: 8 (8–12) requests/s; every sweep that tried it met the objective up to 8/s; "
+        "Goodput over 3 sweeps: 8 (8–12) requests/s; every sweep met it at every rate up to 8/s; "
         "only some met it at 12/s; none met it at 16/s."
     )
+    # Met at 8 and 16/s but missed at 12/s: "up to" stops below the first rate not always met.
+    bumpy = [sweep_result(16, 12, [(8, True, 100), (12, False, 300), (16, True, 150)])]
+    assert repeats_verdict(bumpy) == (
+        "Goodput over 1 sweep: 16 requests/s; every sweep met it at every rate up to 8/s; "
+        "every sweep that tried it met it again at 16/s; none met it at 12/s."
+    )
+    # One rate reached two ways (a bisection's rounding) is one row.
+    twice = [sweep_result(8, 16, [(152.5, True, 100)]), sweep_result(8, 16, [(152.50000000000003, True, 120)])]
+    assert [row[0] for row in rate_rows(twice)] == ["152.5"]
     nothing = sweep_result(None, 8, [(8, False, 900)])
-    assert repeats_verdict([nothing]).startswith(
-        "Goodput over 1 sweeps: none requests/s (1 met the objective at no rate)"
+    assert repeats_verdict([nothing, nothing]) == "Goodput over 2 sweeps: none (no rate met the objective)."
+    assert repeats_verdict([SWEEPS[0], nothing]).startswith(
+        "Goodput over 2 sweeps: 8 requests/s (1 met the objective at no rate, left out)"
     )
 
 
@@ -151,15 +161,22 @@ def test_sweeps_read_files_and_folders_and_refuse_other_json(tmp_path):
     for number, result in enumerate(SWEEPS, 1):
         (folder / f"sweep-{number}.json").write_text(json.dumps({"goodput": result}))
     assert [s["goodput"]["goodput_rps"] for s in goodput_sweeps.read_summaries([str(folder)])] == [8, 12, 8]
-    assert "Goodput over 3 sweeps" in goodput_sweeps.report(goodput_sweeps.read_summaries([str(folder)]))
+    assert "Goodput over 3 sweeps" in goodput_sweeps.docs_report(goodput_sweeps.read_summaries([str(folder)]))
     chart = tmp_path / "sweeps.png"
     assert goodput_sweeps.main([str(folder), "--chart", str(chart)]) == 0
     assert chart.read_bytes().startswith(b"\x89PNG")
     (tmp_path / "other.json").write_text(json.dumps({"concurrency": {}}))
+    (tmp_path / "partial.json").write_text(json.dumps({"goodput": {"objective": {}, "goodput_rps": 1}}))
+    (tmp_path / "rowless.json").write_text(json.dumps({"goodput": SWEEPS[0] | {"rows": [{"offered_rate": 8}]}}))
+    stricter = SWEEPS[0] | {"objective": {"ttft_p95_ms": 100.0, "tpot_p95_ms": 50.0}}
+    (tmp_path / "stricter.json").write_text(json.dumps({"goodput": stricter}))
     for paths, message in (
         ([str(tmp_path / "missing")], "no such file or folder"),
         ([str(tmp_path / "other.json")], "no 'goodput' result"),
-        ([str(tmp_path)], "no 'goodput' result"),  # other.json is among the folder's files
+        ([str(tmp_path / "partial.json")], "lacks rows"),
+        ([str(tmp_path / "rowless.json")], "lacks offered_rate or meets_objective"),
+        ([str(folder), str(tmp_path / "stricter.json")], "different latency objectives"),
+        ([str(tmp_path)], "not a goodput summary"),  # other.json is among the folder's files
     ):
         with pytest.raises(UsageError, match=message):
             goodput_sweeps.read_summaries(paths)
