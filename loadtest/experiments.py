@@ -103,6 +103,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     goodput.add_argument("--rate-min-requests", type=int, default=40, help="but at least this many (40)")
     goodput.add_argument(
+        "--sweeps",
+        type=int,
+        default=1,
+        help="run the whole sweep this many times, one after another, and report the goodput's spread "
+        "over them (default: 1; one sweep's knee moves with a few seconds of Poisson noise)",
+    )
+    goodput.add_argument(
         "--slo-ttft-p95-ms",
         type=float,
         default=None,
@@ -158,8 +165,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.fixed_rates = None
     if not 0 < args.start_rate <= args.max_rate:
         parser.error("--start-rate must be positive and at most --max-rate")
-    if args.bisections < 0 or args.rate_seconds <= 0 or args.rate_min_requests < 1:
-        parser.error("--bisections must be >= 0, --rate-seconds > 0 and --rate-min-requests >= 1")
+    if args.bisections < 0 or args.rate_seconds <= 0 or args.rate_min_requests < 1 or args.sweeps < 1:
+        parser.error("--bisections must be >= 0, --rate-seconds > 0, --rate-min-requests and --sweeps >= 1")
     for flag in ("slo_ttft_p95_ms", "slo_tpot_p95_ms"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive")
@@ -238,8 +245,15 @@ def run(args: argparse.Namespace, levels: list[int]) -> int:
             objective = goodput.Objective(
                 args.slo_ttft_p95_ms or settings.slo_ttft_p95_ms, args.slo_tpot_p95_ms or settings.slo_tpot_p95_ms
             )
-            search = goodput.RateSearch(args.start_rate, args.max_rate, args.bisections, args.fixed_rates)
-            summary["goodput"] = runner.goodput(search, objective, args.rate_seconds, args.rate_min_requests)
+            sweeps = []
+            for number in range(1, args.sweeps + 1):
+                if args.sweeps > 1:
+                    print(f"[goodput] sweep {number} of {args.sweeps}", file=sys.stderr, flush=True)
+                search = goodput.RateSearch(args.start_rate, args.max_rate, args.bisections, args.fixed_rates)
+                sweeps.append(runner.goodput(search, objective, args.rate_seconds, args.rate_min_requests))
+            summary["goodput"] = sweeps[0]
+            if len(sweeps) > 1:
+                summary["goodput_sweeps"] = sweeps
     finally:
         runner.close()
     summary["duration_s"] = time.perf_counter() - started

@@ -308,3 +308,14 @@ def repeats_verdict(results: list[dict]) -> str:
     if never and found:
         parts.append(f"none met it at {', '.join(f'{rate:g}' for rate in never)}/s")
     return "; ".join(parts) + "."
+
+
+def sweeps_report(results: list[dict], render_table: Callable[[list[str], list[list[str]]], str]) -> str:
+    """Each sweep's goodput, each rate across the sweeps, and the verdict, in `render_table`'s
+    format (markdown for the docs, plain columns for the terminal)."""
+    return (
+        render_table(SWEEP_HEADERS, sweep_rows(results))
+        + "\n\n"
+        + render_table(RATE_HEADERS, rate_rows(results))
+        + f"\n\n{repeats_verdict(results)}"
+    )

@@ -3,8 +3,9 @@ each offered rate's figures across them (median (min–max)), and a chart of TTF
 against the offered rate with one line per sweep.
 
 Each input is what `python -m loadtest.experiments goodput --json` printed, or its summary.json, or
-a folder of such files (read in name order). One sweep's knee moves with the noise of a few seconds
-of Poisson arrivals; repeat the sweep (>= 3) and read the spread.
+a folder of such files (read in name order); a run with --sweeps N gives its N sweeps. One sweep's
+knee moves with the noise of a few seconds of Poisson arrivals; repeat the sweep (>= 3) and read
+the spread (`experiments goodput --sweeps 3` prints these tables itself).
 
   python -m loadtest.goodput_sweeps docs/loadtest/goodput-h100-sweeps --chart docs/loadtest/goodput-h100-sweeps.png
 """
@@ -21,8 +22,8 @@ from loadtest import goodput
 PROG = "python -m loadtest.goodput_sweeps"
 
 
-def read_summaries(paths: list[str]) -> list[dict]:
-    """The goodput summaries in `paths` (files, or folders of *.json files), in order."""
+def read_sweeps(paths: list[str]) -> list[dict]:
+    """Every goodput sweep in `paths` (summaries as files, or folders of *.json files), in order."""
     files: list[Path] = []
     for name in paths:
         path = Path(name)
@@ -44,17 +45,32 @@ def read_summaries(paths: list[str]) -> list[dict]:
         summaries.append(summary)
     if not summaries:
         raise UsageError(f"no goodput summaries in {', '.join(paths)}")
-    objectives = {json.dumps(summary["goodput"]["objective"], sort_keys=True) for summary in summaries}
+    sweeps = sweeps_of(summaries)
+    objectives = {json.dumps(sweep["objective"], sort_keys=True) for sweep in sweeps}
     if len(objectives) > 1:
         raise UsageError(f"the sweeps have different latency objectives ({' vs '.join(sorted(objectives))})")
-    return summaries
+    return sweeps
+
+
+def sweeps_of(summaries: list[dict]) -> list[dict]:
+    """The goodput results of experiment summaries: all of a --sweeps run's, else its one."""
+    return [sweep for summary in summaries for sweep in summary.get("goodput_sweeps") or [summary["goodput"]]]
 
 
 def summary_problem(summary: object) -> str:
-    """What keeps `summary` from being one sweep's result, or ''."""
-    result = summary.get("goodput") if isinstance(summary, dict) else None
-    if not isinstance(result, dict):
+    """What keeps `summary` from holding goodput sweeps, or ''."""
+    if not isinstance(summary, dict) or not isinstance(summary.get("goodput"), dict):
         return "no 'goodput' result"
+    for result in summary.get("goodput_sweeps") or [summary["goodput"]]:
+        problem = sweep_problem(result)
+        if problem:
+            return problem
+    return ""
+
+
+def sweep_problem(result: object) -> str:
+    if not isinstance(result, dict):
+        return "a sweep is not an object"
     missing = [key for key in ("objective", "goodput_rps", "rows") if key not in result]
     if missing:
         return f"its goodput result lacks {', '.join(missing)}"
@@ -68,17 +84,12 @@ def summary_problem(summary: object) -> str:
 
 def report(results: list[dict]) -> str:
     """The two tables and the verdict, as markdown (python -m llmstack.docs renders the same)."""
-    return (
-        md_table(goodput.SWEEP_HEADERS, goodput.sweep_rows(results))
-        + "\n\n"
-        + md_table(goodput.RATE_HEADERS, goodput.rate_rows(results))
-        + f"\n\n{goodput.repeats_verdict(results)}\n"
-    )
+    return goodput.sweeps_report(results, md_table) + "\n"
 
 
 def docs_report(summaries: list[dict]) -> str:
     """report() of the summaries in a folder, as llmstack.docs reads it."""
-    return report([summary["goodput"] for summary in summaries])
+    return report(sweeps_of(summaries))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chart", help="write the PNG chart here")
     add_json_argument(parser)
     args = parser.parse_args(argv)
-    results = [summary["goodput"] for summary in read_summaries(args.inputs)]
+    results = read_sweeps(args.inputs)
     if args.chart:
         from llmstack.cli import load_pyplot
         from loadtest.report import goodput_sweeps_chart

@@ -235,10 +235,14 @@ def render_tables(summary: dict) -> str:
             + prefix_table(summary["prefix"])
         )
     if "goodput" in summary:
+        sweeps = summary.get("goodput_sweeps") or [summary["goodput"]]
         parts.append(
             "== Goodput (open loop: Poisson arrivals of streamed /v1/completions, "
-            f"{summary['goodput']['max_tokens']} tokens each)\n" + goodput_table(summary["goodput"])
+            f"{summary['goodput']['max_tokens']} tokens each){', sweep 1' if len(sweeps) > 1 else ''}\n"
+            + goodput_table(summary["goodput"])
         )
+        if len(sweeps) > 1:
+            parts.append(f"== Goodput over {len(sweeps)} sweeps\n" + goodput.sweeps_report(sweeps, table))
     return "\n\n".join(parts)
 
 
@@ -330,6 +334,9 @@ def make_charts(out_dir: Path, summary: dict) -> list[str]:
     if (summary.get("goodput") or {}).get("rows"):
         goodput_chart(plt, summary["goodput"], out_dir / "goodput.png")
         names.append("goodput.png")
+    if len(summary.get("goodput_sweeps") or []) > 1:
+        goodput_sweeps_chart(plt, summary["goodput_sweeps"], out_dir / "goodput_sweeps.png")
+        names.append("goodput_sweeps.png")
     return names
 
 

@@ -280,6 +280,7 @@ class ExperimentRunner:
         the search until it has found the highest that meets the objective."""
         rows = []
         before = self.snapshot()
+        first = len(self.all_records)  # earlier sweeps' records are not this sweep's
         while (rate := search.next_rate()) is not None:
             count = goodput.requests_for_rate(rate, seconds, minimum, self.loader_processes)
             shape = RateStepShape([rate], requests_per_step=count)
@@ -288,7 +289,7 @@ class ExperimentRunner:
             rows.append(row)
             search.record(rate, row["meets_objective"])
         rows.sort(key=lambda row: row["offered_rate"])
-        open_loop = [record for record in self.all_records if record.kind == "open-loop"]
+        open_loop = [record for record in self.all_records[first:] if record.kind == "open-loop"]
         return {
             "objective": {"ttft_p95_ms": objective.ttft_p95_ms, "tpot_p95_ms": objective.tpot_p95_ms},
             "max_tokens": self.settings.max_tokens,

@@ -195,7 +195,8 @@ def test_web_ui_offers_the_users_and_the_step_shape(stack):
 
 def test_headless_goodput_sweep_with_open_loop_arrivals(stack):
     """Poisson arrivals at two offered rates, each drained before the next, over two worker
-    processes: the table, the verdict, vLLM's own count of the same requests, and the chart."""
+    processes, swept twice: the table, the verdict, vLLM's own count of each sweep's requests, and
+    the charts."""
     result = run_experiments(
         stack,
         "goodput",
@@ -213,10 +214,17 @@ def test_headless_goodput_sweep_with_open_loop_arrivals(stack):
         "5000",
         "--slo-tpot-p95-ms",
         "1000",
+        "--sweeps",
+        "2",
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     summary = json.loads(result.stdout)
+    assert len(summary["goodput_sweeps"]) == 2 and summary["goodput"] == summary["goodput_sweeps"][0]
+    # Each sweep's cross-check counts its own requests only, in vLLM's histogram and on the client.
+    second = summary["goodput_sweeps"][1]
+    assert second["vllm"]["vllm_requests"] == second["vllm"]["client_requests"] == 18
+    assert second["goodput_rps"] == 2 and summary["requests"] == 36
     found = summary["goodput"]
     assert [row["offered_rate"] for row in found["rows"]] == [1, 2]
     assert [row["requests"] for row in found["rows"]] == [8, 10]
@@ -229,7 +237,8 @@ def test_headless_goodput_sweep_with_open_loop_arrivals(stack):
     assert found["objective"] == {"ttft_p95_ms": 5000, "tpot_p95_ms": 1000}
     assert found["vllm"]["vllm_requests"] == found["vllm"]["client_requests"] == 18
     folder = REPO_ROOT / summary["results_dir"].lstrip("/")
-    assert (folder / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for chart in ("goodput.png", "goodput_sweeps.png"):
+        assert (folder / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     records = list(csv.DictReader((folder / "records.csv").read_text().splitlines()))
     assert sorted({row["tag"] for row in records}) == ["rate 1/s", "rate 2/s"]
 

@@ -160,8 +160,14 @@ def test_sweeps_read_files_and_folders_and_refuse_other_json(tmp_path):
     folder.mkdir()
     for number, result in enumerate(SWEEPS, 1):
         (folder / f"sweep-{number}.json").write_text(json.dumps({"goodput": result}))
-    assert [s["goodput"]["goodput_rps"] for s in goodput_sweeps.read_summaries([str(folder)])] == [8, 12, 8]
-    assert "Goodput over 3 sweeps" in goodput_sweeps.docs_report(goodput_sweeps.read_summaries([str(folder)]))
+    assert [sweep["goodput_rps"] for sweep in goodput_sweeps.read_sweeps([str(folder)])] == [8, 12, 8]
+    # A run with --sweeps N holds its N sweeps; its "goodput" is the first of them.
+    several = tmp_path / "several.json"
+    several.write_text(json.dumps({"goodput": SWEEPS[1], "goodput_sweeps": SWEEPS[1:]}))
+    assert [sweep["goodput_rps"] for sweep in goodput_sweeps.read_sweeps([str(several)])] == [12, 8]
+    summaries = [json.loads(file.read_text()) for file in sorted(folder.glob("*.json"))]
+    assert "Goodput over 3 sweeps" in goodput_sweeps.docs_report(summaries)
+    several.unlink()
     chart = tmp_path / "sweeps.png"
     assert goodput_sweeps.main([str(folder), "--chart", str(chart)]) == 0
     assert chart.read_bytes().startswith(b"\x89PNG")
@@ -179,8 +185,21 @@ def test_sweeps_read_files_and_folders_and_refuse_other_json(tmp_path):
         ([str(tmp_path)], "not a goodput summary"),  # other.json is among the folder's files
     ):
         with pytest.raises(UsageError, match=message):
-            goodput_sweeps.read_summaries(paths)
+            goodput_sweeps.read_sweeps(paths)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(UsageError, match="no goodput summaries"):
-        goodput_sweeps.read_summaries([str(empty)])
+        goodput_sweeps.read_sweeps([str(empty)])
+
+
+def test_tables_render_several_goodput_sweeps():
+    from loadtest import report
+
+    one = {"run_id": "r", "host": "h", "requests": 9, "failures": 0, "duration_s": 1.0}
+    one["goodput"] = SWEEPS[0] | {"max_tokens": 50}
+    text = report.render_tables(one)
+    assert "tokens each)\n" in text and "sweeps" not in text
+    several = one | {"goodput_sweeps": SWEEPS}
+    text = report.render_tables(several)
+    assert "tokens each), sweep 1\n" in text and "== Goodput over 3 sweeps\n" in text
+    assert text.endswith("none met it at 16/s.")

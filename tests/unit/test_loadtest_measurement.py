@@ -334,7 +334,7 @@ def test_tables_render_lab_columns():
     assert note.startswith("Level not held (512 clients held 393.2 requests in flight on average)")
 
 
-@pytest.mark.parametrize("argv", [["bogus"], ["--levels", "0"], ["--max-tokens", "1"]])
+@pytest.mark.parametrize("argv", [["bogus"], ["--levels", "0"], ["--max-tokens", "1"], ["goodput", "--sweeps", "0"]])
 def test_experiments_cli_usage_errors(argv, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "loadtest.experiments", *argv, "--results", str(tmp_path)],
