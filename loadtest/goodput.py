@@ -224,6 +224,11 @@ RATE_HEADERS = [
 ]
 
 
+def summary_sweeps(summary: dict) -> list[dict]:
+    """An experiment summary's goodput sweeps: all of a --sweeps run's, else its one."""
+    return summary.get("goodput_sweeps") or [summary["goodput"]]
+
+
 def sweep_rows(results: list[dict]) -> list[list[str]]:
     """One row per sweep (a goodput result, summary["goodput"]): what it tried and found."""
     rows = []

@@ -53,15 +53,15 @@ def read_sweeps(paths: list[str]) -> list[dict]:
 
 
 def sweeps_of(summaries: list[dict]) -> list[dict]:
-    """The goodput results of experiment summaries: all of a --sweeps run's, else its one."""
-    return [sweep for summary in summaries for sweep in summary.get("goodput_sweeps") or [summary["goodput"]]]
+    """Every goodput sweep of the experiment summaries, in order."""
+    return [sweep for summary in summaries for sweep in goodput.summary_sweeps(summary)]
 
 
 def summary_problem(summary: object) -> str:
     """What keeps `summary` from holding goodput sweeps, or ''."""
     if not isinstance(summary, dict) or not isinstance(summary.get("goodput"), dict):
         return "no 'goodput' result"
-    for result in summary.get("goodput_sweeps") or [summary["goodput"]]:
+    for result in goodput.summary_sweeps(summary):
         problem = sweep_problem(result)
         if problem:
             return problem

@@ -105,9 +105,9 @@ def unheld_levels_note(rows: list[dict]) -> str:
     levels = ", ".join(f"{row['concurrency']} clients held {row['mean_in_flight']:.1f}" for row in short)
     return (
         f"{'Level' if len(short) == 1 else 'Levels'} not held ({levels} requests in flight on average): "
-        "the step's start, when every client "
-        "sends at once, and its end, when they finish one by one, weigh on its figures; hold it longer "
-        "(--requests-per-client, --step-seconds) before reading its latencies."
+        "the step's start, when every client sends at once, and its end, when they finish one by one, "
+        "weigh on its figures; hold it longer (--requests-per-client, --step-seconds) before reading its "
+        "latencies."
     )
 
 
@@ -235,7 +235,7 @@ def render_tables(summary: dict) -> str:
             + prefix_table(summary["prefix"])
         )
     if "goodput" in summary:
-        sweeps = summary.get("goodput_sweeps") or [summary["goodput"]]
+        sweeps = goodput.summary_sweeps(summary)
         parts.append(
             "== Goodput (open loop: Poisson arrivals of streamed /v1/completions, "
             f"{summary['goodput']['max_tokens']} tokens each){', sweep 1' if len(sweeps) > 1 else ''}\n"
