@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmstack.bench.gateway_report import fmt, median_range
+from llmstack.bench.gateway_report import fmt, median_range_of
 from llmstack.sse import RequestRecord
 from llmstack.stats import percentile, spread
 from loadtest.results import span
@@ -265,7 +265,7 @@ def rate_rows(results: list[dict]) -> list[list[str]]:
 
     def over(rows: list[dict], figure: Callable[[dict], float | None], digits: int) -> str:
         values = [value for row in rows if (value := figure(row)) is not None]
-        return median_range(spread(values).as_dict(), digits)
+        return median_range_of(values, digits)
 
     return [
         [
@@ -288,7 +288,7 @@ def repeats_verdict(results: list[dict]) -> str:
     found = [result["goodput_rps"] for result in results if result["goodput_rps"] is not None]
     sweeps = f"{len(results)} sweep{'s' if len(results) != 1 else ''}"
     if found:
-        text = f"Goodput over {sweeps}: {median_range(spread(found).as_dict(), 0, lambda v: f'{v:g}')} requests/s"
+        text = f"Goodput over {sweeps}: {median_range_of(found, 0, lambda v: f'{v:g}')} requests/s"
         if len(found) < len(results):
             text += f" ({len(results) - len(found)} met the objective at no rate, left out)"
     else:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmstack.cli import UsageError, load_pyplot, save_chart
+from llmstack.stats import spread
 
 PATHS = ("gateway", "direct")
 TARGETS = {"added_ttft_p50_ms": 1.0, "added_ttft_p99_ms": 3.0, "throughput_ratio": 0.99, "fidelity_pct": 5.0}
@@ -28,6 +29,11 @@ def median_range(cell: dict, digits: int = 1, show: Callable[[float], str] | Non
     if cell.get("n", 2) < 2:
         return show(cell["p50"])
     return f"{show(cell['p50'])} ({show(cell['min'])}–{show(cell['max'])})"
+
+
+def median_range_of(values: list[float], digits: int = 1, show: Callable[[float], str] | None = None) -> str:
+    """median_range of raw per-repeat values (rather than a stored Spread)."""
+    return median_range(spread(values).as_dict(), digits, show)
 
 
 def md_table(headers: list[str], rows: list[list[str]]) -> str:

@@ -43,7 +43,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from llmstack import REPO_ROOT
-from llmstack.bench.gateway_report import md_table, median_range
+from llmstack.bench.gateway_report import md_table, median_range, median_range_of
 from llmstack.cli import StackError, UsageError, add_json_argument, main_exit, parser_from_doc, progress
 from llmstack.promtext import Snapshot
 from llmstack.stats import difference, spread
@@ -442,7 +442,7 @@ def server_view_table(data: dict) -> str:
         row = [str(level)]
         for _, figure, digits in columns:
             values = [value for run in runs if (value := figure(run, max_tokens)) is not None]
-            row.append(median_range(spread(values).as_dict(), digits))
+            row.append(median_range_of(values, digits))
         rows.append(row)
     return md_table(["Clients", *(header for header, _, _ in columns)], rows)
 
