@@ -267,23 +267,30 @@ def test_streaming_arrives_token_by_token(stack):
 
 
 def test_client_disconnect_stops_generation(stack):
-    generated_before = stack.vllm_metric("vllm:generation_tokens_total")
+    """Closing the response closes the socket; vLLM must abort the request, not finish 3,500 tokens.
+    On 2 busy cores the first line can reach the client seconds after vLLM made it (under load, a
+    probe saw the 5th line after 5.2 s with 2,258 tokens already generated; one CI run, 3,500). An
+    answer vLLM finished before the close reached it says nothing about the close: it is tried again.
+    (vLLM 0.24 does not count a client's abort in vllm:request_success_total; the tokens tell.)"""
     payload = {"model": MODEL, "prompt": "Tell a long story", "max_tokens": 3500, "stream": True, "ignore_eos": True}
-    with requests.post(
-        stack.url("/v1/completions"), headers=stack.auth(), json=payload, stream=True, timeout=60
-    ) as response:
-        lines = response.iter_lines()
-        for _ in range(5):
-            next(lines)
-    # (No look at vLLM's running gauge here: each read takes a docker exec, about as long as the
-    # tiny model needs for the whole answer on 2 cores. The token count below is the proof.)
-    # Closing the response closed the socket; vLLM must abort the request, not finish 3500 tokens.
-    deadline = time.monotonic() + 15
-    while stack.vllm_metric("vllm:num_requests_running") > 0:
-        assert time.monotonic() < deadline, "vLLM kept generating after the client left"
-        time.sleep(0.2)
-    generated = stack.vllm_metric("vllm:generation_tokens_total") - generated_before
-    assert generated < 3500, generated
+    attempts = []
+    for _ in range(3):
+        generated_before = stack.vllm_metric("vllm:generation_tokens_total")
+        started = time.monotonic()
+        with requests.post(
+            stack.url("/v1/completions"), headers=stack.auth(), json=payload, stream=True, timeout=60
+        ) as response:
+            assert next(response.iter_lines()).startswith(b"data: ")
+            first_line_s = time.monotonic() - started
+        deadline = time.monotonic() + 15
+        while stack.vllm_metric("vllm:num_requests_running") > 0:
+            assert time.monotonic() < deadline, "vLLM kept generating after the client left"
+            time.sleep(0.2)
+        generated = stack.vllm_metric("vllm:generation_tokens_total") - generated_before
+        attempts.append(f"first line after {first_line_s:.2f} s, {generated:.0f} tokens generated")
+        if generated < 3500:
+            return
+    pytest.fail(f"vLLM finished every answer: the client's close never reached it in time: {attempts}")
 
 
 def test_rate_limit_is_per_key_with_retry_after(stack):
