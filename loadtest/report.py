@@ -122,7 +122,7 @@ def cross_check_line(check: dict) -> str:
         return "vLLM cross-check: vLLM's metrics not reachable (--vllm-metrics-url)."
     if check.get("vllm_ttft_mean_ms") is None:
         return "vLLM cross-check: no request reached vLLM."
-    return (
+    line = (
         "Cross-check, means over the same requests: TTFT client {} ms vs vLLM {} ms; "
         "TPOT client {} ms vs vLLM {} ms ({} requests client-side, {} in vLLM's histogram)"
     ).format(
@@ -132,6 +132,11 @@ def cross_check_line(check: dict) -> str:
         fmt(check["vllm_tpot_mean_ms"], 3),
         check["client_requests"],
         fmt(check.get("vllm_requests"), 0),
+    )
+    if check.get("vllm_mean_running") is None:
+        return line
+    return line + "; requests at once on average: {} in flight at the client, {} running in vLLM".format(
+        fmt(check.get("client_mean_in_flight"), 2), fmt(check["vllm_mean_running"], 2)
     )
 
 

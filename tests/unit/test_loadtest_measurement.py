@@ -184,12 +184,18 @@ def test_client_cpu_adds_the_workers_cpu_to_the_masters():
     assert results.client_cpu(master, 1000)["client_cpu_pct"] == pytest.approx(5.0)
 
 
-def vllm_page(ttft_sum: float, ttft_count: int) -> Snapshot:
+def vllm_page(ttft_sum: float, ttft_count: int, running_sum: float | None = None) -> Snapshot:
+    running = (
+        "# TYPE vllm:request_inference_time_seconds histogram\n"
+        f'vllm:request_inference_time_seconds_sum{{model_name="m"}} {running_sum}\n'
+        if running_sum is not None
+        else ""
+    )
     return Snapshot.from_text(
         "# TYPE vllm:time_to_first_token_seconds histogram\n"
         f'vllm:time_to_first_token_seconds_bucket{{le="+Inf",model_name="m"}} {ttft_count}\n'
         f'vllm:time_to_first_token_seconds_sum{{model_name="m"}} {ttft_sum}\n'
-        f'vllm:time_to_first_token_seconds_count{{model_name="m"}} {ttft_count}\n'
+        f'vllm:time_to_first_token_seconds_count{{model_name="m"}} {ttft_count}\n' + running
     )
 
 
@@ -200,6 +206,18 @@ def test_cross_check_reads_vllm_histograms_between_two_snapshots():
     assert check["client_ttft_mean_ms"] == pytest.approx(20.0)
     # Without vLLM's metrics the cross-check is empty, not an error.
     assert results.cross_check(None, None, [])["vllm_ttft_mean_ms"] is None
+    # A vLLM without the running-time histogram: no mean running, the rest stays.
+    assert check["vllm_mean_running"] is None
+
+
+def test_cross_check_gives_requests_at_once_from_vllms_counters_not_from_samples():
+    """Little's law over the requests' span: three requests of 0.2 s, all started at 1.0 s, were three
+    at once for the client; vLLM ran them 0.15 s each (0.45 s of running time), 2.25 at once."""
+    records = [streamed(0.02, 0.2)] * 3
+    check = results.cross_check(vllm_page(1.0, 10, 5.0), vllm_page(1.3, 13, 5.45), records)
+    assert check["client_mean_in_flight"] == pytest.approx(3.0)
+    assert check["vllm_mean_running"] == pytest.approx(2.25)
+    assert results.cross_check(vllm_page(1.0, 10, 5.0), vllm_page(1.0, 10, 5.0), [])["vllm_mean_running"] is None
     assert results.read_snapshot("") is None and results.read_snapshot("http://127.0.0.1:9/metrics") is None
 
 
