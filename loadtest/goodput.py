@@ -37,6 +37,13 @@ def rate_label(rate: float) -> str:
     return f"rate {rate:g}/s"
 
 
+def tag_sweep(records: list[RequestRecord], number: int) -> None:
+    """Name one sweep's requests in records.csv ('sweep 2, rate 8/s'): the sweeps of a run offer
+    the same rates, so the rate alone would not tell them apart."""
+    for record in records:
+        record.tag = f"sweep {number}, {record.tag}"
+
+
 def requests_for_rate(rate: float, seconds: float, minimum: int, generators: int) -> int:
     """Arrivals at one rate: `seconds` worth, at least `minimum`, a multiple of the generators."""
     count = max(minimum, math.ceil(rate * seconds))

@@ -252,7 +252,9 @@ def test_headless_goodput_sweep_with_open_loop_arrivals(stack):
     for chart in ("goodput.png", "goodput_sweeps.png"):
         assert (folder / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     records = list(csv.DictReader((folder / "records.csv").read_text().splitlines()))
-    assert sorted({row["tag"] for row in records}) == ["rate 1/s", "rate 2/s"]
+    assert sorted({row["tag"] for row in records}) == [
+        f"sweep {sweep}, rate {rate}/s" for sweep in (1, 2) for rate in (1, 2)
+    ]
 
 
 def test_web_ui_runs_open_loop_arrivals_with_the_rate_shape(stack):

@@ -19,6 +19,7 @@ from loadtest.goodput import (
     repeats_verdict,
     requests_for_rate,
     sweep_rows,
+    tag_sweep,
 )
 from loadtest.settings import SettingsError, parse_rates
 
@@ -93,6 +94,9 @@ def test_rates_labels_and_counts():
         with pytest.raises(SettingsError):
             parse_rates(bad)
     assert rate_label(2.0) == "rate 2/s" and rate_label(0.5) == "rate 0.5/s"
+    records = [RequestRecord("open-loop", COMPLETIONS, True, 0.0, 0.0, tag=rate_label(8.0))]
+    tag_sweep(records, 2)
+    assert records[0].tag == "sweep 2, rate 8/s"
     assert requests_for_rate(1, 20, 40, 1) == 40
     assert requests_for_rate(10, 20, 40, 3) == 201
 
