@@ -15,7 +15,7 @@ from loadtest.step_state import StepWindow, max_overlap, samples_in_step
 
 TTFT_HISTOGRAM = "vllm:time_to_first_token_seconds"
 TPOT_HISTOGRAM = "vllm:request_time_per_output_token_seconds"
-# From a request's first scheduling to its last token: the time it ran in vLLM's batch.
+# From a request's first scheduling to its last token (preemptions included): its time in vLLM's batch.
 RUNNING_HISTOGRAM = "vllm:request_inference_time_seconds"
 STREAMING_KEYS = (
     "ttft_ms",
@@ -131,6 +131,11 @@ def cross_check(before: Snapshot | None, after: Snapshot | None, records: list[R
     # latencies and from vLLM's own running time: counters, so no sampling can miss a busy moment.
     begin, end, _ = span(ok) if ok else (0.0, 0.0, 0)
     seconds = end - begin
+    running = RUNNING_HISTOGRAM + "_sum"
+    # A replica restarted between the snapshots resets its counters: no figure then.
+    running_s = (
+        before.delta(after, running) if before and after and before.has(running) and after.has(running) else None
+    )
     return {
         "client_ttft_mean_ms": statistics.fmean(client_ttft) * 1000 if client_ttft else None,
         "client_tpot_mean_ms": statistics.fmean(client_tpot) * 1000 if client_tpot else None,
@@ -138,12 +143,9 @@ def cross_check(before: Snapshot | None, after: Snapshot | None, records: list[R
         "vllm_tpot_mean_ms": mean_ms(before, after, TPOT_HISTOGRAM),
         "vllm_requests": before.delta(after, TTFT_HISTOGRAM + "_count") if before and after else None,
         "client_requests": len(ok),
+        "span_s": seconds if seconds > 0 else None,
         "client_mean_in_flight": sum(r.e2e for r in ok) / seconds if seconds > 0 else None,
-        "vllm_mean_running": (
-            before.delta(after, RUNNING_HISTOGRAM + "_sum") / seconds
-            if before and after and before.has(RUNNING_HISTOGRAM + "_sum") and seconds > 0
-            else None
-        ),
+        "vllm_mean_running": running_s / seconds if running_s is not None and running_s >= 0 and seconds > 0 else None,
     }
 
 

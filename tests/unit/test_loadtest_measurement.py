@@ -216,7 +216,9 @@ def test_cross_check_gives_requests_at_once_from_vllms_counters_not_from_samples
     records = [streamed(0.02, 0.2)] * 3
     check = results.cross_check(vllm_page(1.0, 10, 5.0), vllm_page(1.3, 13, 5.45), records)
     assert check["client_mean_in_flight"] == pytest.approx(3.0)
-    assert check["vllm_mean_running"] == pytest.approx(2.25)
+    assert check["vllm_mean_running"] == pytest.approx(2.25) and check["span_s"] == pytest.approx(0.2)
+    # A replica restarted in between (its counters reset): no figure rather than a negative one.
+    assert results.cross_check(vllm_page(1.0, 10, 5.0), vllm_page(1.3, 13, 0.4), records)["vllm_mean_running"] is None
     assert results.cross_check(vllm_page(1.0, 10, 5.0), vllm_page(1.0, 10, 5.0), [])["vllm_mean_running"] is None
     assert results.read_snapshot("") is None and results.read_snapshot("http://127.0.0.1:9/metrics") is None
 
