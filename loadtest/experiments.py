@@ -250,10 +250,8 @@ def run(args: argparse.Namespace, levels: list[int]) -> int:
                 if args.sweeps > 1:
                     print(f"[goodput] sweep {number} of {args.sweeps}", file=sys.stderr, flush=True)
                 search = goodput.RateSearch(args.start_rate, args.max_rate, args.bisections, args.fixed_rates)
-                first = len(runner.all_records)
-                sweeps.append(runner.goodput(search, objective, args.rate_seconds, args.rate_min_requests))
-                if args.sweeps > 1:
-                    goodput.tag_sweep(runner.all_records[first:], number)
+                sweep = number if args.sweeps > 1 else None
+                sweeps.append(runner.goodput(search, objective, args.rate_seconds, args.rate_min_requests, sweep))
             summary["goodput"] = sweeps[0]
             if len(sweeps) > 1:
                 summary["goodput_sweeps"] = sweeps

@@ -60,6 +60,11 @@ def span(ok: list[RequestRecord]) -> tuple[float, float, int]:
     return begin, end, sum(r.output_tokens for r in ok)
 
 
+def mean_in_flight(ok: list[RequestRecord], seconds: float) -> float | None:
+    """Requests at once on average over `seconds` (Little's law): their summed time over the span."""
+    return sum(r.e2e for r in ok) / seconds if seconds > 0 else None
+
+
 def concurrency_row(
     level: int,
     records: list[RequestRecord],
@@ -90,7 +95,7 @@ def concurrency_row(
                 "throughput_tok_s": tokens / (end - begin),
                 # Requests in flight on average over the step (the time they took over its span):
                 # a closed loop of `level` clients should keep it near the level.
-                "mean_in_flight": sum(r.e2e for r in ok) / (end - begin),
+                "mean_in_flight": mean_in_flight(ok, end - begin),
                 "avg_tps_per_request": statistics.fmean(r.tokens_per_second or 0.0 for r in ok),
                 "ttft_ms": spread_ms([r.ttft for r in ok if r.ttft is not None]),
                 "tpot_ms": spread_ms([r.tpot for r in ok if r.tpot is not None]),
@@ -144,7 +149,7 @@ def cross_check(before: Snapshot | None, after: Snapshot | None, records: list[R
         "vllm_requests": before.delta(after, TTFT_HISTOGRAM + "_count") if before and after else None,
         "client_requests": len(ok),
         "span_s": seconds if seconds > 0 else None,
-        "client_mean_in_flight": sum(r.e2e for r in ok) / seconds if seconds > 0 else None,
+        "client_mean_in_flight": mean_in_flight(ok, seconds),
         "vllm_mean_running": running_s / seconds if running_s is not None and running_s >= 0 and seconds > 0 else None,
     }
 

@@ -275,21 +275,31 @@ class ExperimentRunner:
             "ttft_reduction_pct": results.ttft_reduction_pct(phases),
         }
 
-    def goodput(self, search: goodput.RateSearch, objective: goodput.Objective, seconds: float, minimum: int) -> dict:
+    def goodput(
+        self,
+        search: goodput.RateSearch,
+        objective: goodput.Objective,
+        seconds: float,
+        minimum: int,
+        sweep: int | None = None,
+    ) -> dict:
         """Open-loop Poisson arrivals, one rate per phase (each drains before the next), rates from
-        the search until it has found the highest that meets the objective."""
+        the search until it has found the highest that meets the objective. `sweep`: this sweep's
+        number among several, in its requests' tags."""
         rows = []
         before = self.snapshot()
         first = len(self.all_records)  # earlier sweeps' records are not this sweep's
         while (rate := search.next_rate()) is not None:
             count = goodput.requests_for_rate(rate, seconds, minimum, self.loader_processes)
             shape = RateStepShape([rate], requests_per_step=count)
-            records = self.run_shape(PoissonArrivalUser, shape, f"rate {rate:g}/s", count)
+            records = self.run_shape(PoissonArrivalUser, shape, goodput.rate_label(rate), count)
             row = goodput.rate_row(rate, records, objective)
             rows.append(row)
             search.record(rate, row["meets_objective"])
         rows.sort(key=lambda row: row["offered_rate"])
         open_loop = [record for record in self.all_records[first:] if record.kind == "open-loop"]
+        if sweep is not None:
+            goodput.tag_sweep(self.all_records[first:], sweep)
         return {
             "objective": {"ttft_p95_ms": objective.ttft_p95_ms, "tpot_p95_ms": objective.tpot_p95_ms},
             "max_tokens": self.settings.max_tokens,
