@@ -93,3 +93,27 @@ def difference(first: Sequence[float], second: Sequence[float]) -> tuple[float |
     delta = b.p50 - a.p50
     noise = max(a.range or 0.0, b.range or 0.0)
     return delta, abs(delta) > noise
+
+
+def deciles(values: Iterable[float]) -> list[float]:
+    """p10, p20, ..., p90 of raw values (empty when there are none): the shape of a distribution,
+    e.g. the two groups of TTFTs at saturation (a batch slot at once, or a wait), which a median
+    between them hides."""
+    data = sorted(values)
+    return [value for q in range(10, 100, 10) if (value := percentile(data, q)) is not None]
+
+
+def mean_in_flight_by_part(intervals: list[tuple[float, float]], parts: int = 4) -> list[float]:
+    """Requests at once on average in each of `parts` equal slices of the (start, end) intervals'
+    span: shows where a level did not hold its load (its first requests, its last ones). Their mean
+    is mean_in_flight's."""
+    if not intervals:
+        return []
+    begin, end = min(start for start, _ in intervals), max(stop for _, stop in intervals)
+    width = (end - begin) / parts
+    if width <= 0:
+        return []
+    slices = [begin + index * width for index in range(parts)]
+    return [
+        sum(max(0.0, min(stop, low + width) - max(start, low)) for start, stop in intervals) / width for low in slices
+    ]

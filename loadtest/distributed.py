@@ -90,6 +90,9 @@ class LocalWorkers:
         self.count = count
         port = free_port()
         self.runner = environment.create_master_runner(master_bind_host="127.0.0.1", master_bind_port=port)
+        from loadtest.steps import serve_tickets
+
+        serve_tickets(self.runner)
         self._replies: list[dict[str, Any]] = []
         self.runner.register_message(RECORDS_MESSAGE, self._on_records)
         self.logs = [log_dir / f"worker-{index + 1}.log" for index in range(count)]

@@ -13,7 +13,7 @@ from locust.runners import MasterRunner, WorkerRunner
 
 from loadtest import metrics
 from loadtest.arrivals import RATE_MESSAGE, PoissonArrivalUser, RateStepShape, on_rate_message
-from loadtest.steps import STEP_MESSAGE, StepLoadShape, on_step_message, on_worker_test_stop
+from loadtest.steps import StepLoadShape, follow_steps, serve_tickets
 from loadtest.users import CompletionUser, PrefixCacheUser, StreamingChatUser, StreamingCompletionUser
 
 __all__ = [
@@ -32,9 +32,10 @@ metrics.install_precise_buckets()
 @events.init.add_listener
 def on_init(environment, **_kwargs):
     if isinstance(environment.runner, WorkerRunner):
-        environment.runner.register_message(STEP_MESSAGE, on_step_message)
+        follow_steps(environment.runner)
         environment.runner.register_message(RATE_MESSAGE, on_rate_message)
-        environment.events.test_stop.add_listener(on_worker_test_stop)
+    if isinstance(environment.runner, MasterRunner):
+        serve_tickets(environment.runner)
     if not isinstance(environment.runner, MasterRunner):
         # Workers (and a standalone locust) make the requests, so they export the client metrics.
         metrics.start_exporter()

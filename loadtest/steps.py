@@ -5,8 +5,9 @@ requests per user has completed (LOADTEST_STEP_REQUESTS_PER_USER: the lab sends 
 is labelled with the step it started in, so Locust's entries (" [c=4]") and the experiments'
 tables are per step. In request mode a process-wide gate lets no more than the step's budget start,
 so steps never overlap; its users draw from that budget together, so `level` requests stay in flight
-until the step's last ones (a worker process's budget is its users' share of the step). On
-distributed workers the master's count decides when a step ends.
+until the step's last ones. With worker processes the budget is the master's one pool, which the
+workers draw on a few requests at a time (TicketPool), and the master's count decides when a step
+ends.
 """
 
 from __future__ import annotations
@@ -18,23 +19,62 @@ from locust import LoadTestShape, events
 
 from loadtest.metrics import E2E
 from loadtest.settings import DEFAULT_LEVELS, SettingsError, parse_levels
-from loadtest.step_state import STEP_STATE
+from loadtest.step_state import STEP_STATE, TicketDraw, TicketPool
 
 STEP_MESSAGE = "loadtest_step"
+TICKETS_ASK = "loadtest_tickets_ask"  # worker to master: {step_id, count}
+TICKETS_GRANT = "loadtest_tickets_grant"  # master to one worker: {step_id, count, pool_empty}
 SPAWN_AT_ONCE = 100  # Locust warns above 100 users per second; levels above it ramp over a second or two
+
+
+TICKET_POOL = TicketPool()
+
+
+def on_tickets_ask(environment, msg, **_kwargs) -> None:
+    """On the master: grant a worker what is left of what it asks for."""
+    step_id = msg.data["step_id"]
+    granted = TICKET_POOL.take(step_id, msg.data["count"])
+    empty = step_id != TICKET_POOL.step_id or TICKET_POOL.remaining == 0
+    environment.runner.send_message(
+        TICKETS_GRANT, {"step_id": step_id, "count": granted, "pool_empty": empty}, client_id=msg.node_id
+    )
+
+
+def on_tickets_grant(environment, msg, **_kwargs) -> None:
+    STEP_STATE.grant(msg.data["step_id"], msg.data["count"], msg.data["pool_empty"])
 
 
 def on_step_message(environment, msg, **_kwargs) -> None:
     """On a worker: the master started a step, or ended the last one. In request mode this process's
-    users, once they all run, share their part of the step's requests (requests per user times the
-    users here); the master's count decides when the step ends."""
+    users, once they all run, draw the step's requests from the master's pool; the master's count
+    decides when the step ends."""
     level = msg.data.get("level")
     if level is None:
         STEP_STATE.close()
-    else:
-        per_user = msg.data.get("requests_per_user")
-        late_budget = (lambda: per_user * environment.runner.user_count) if per_user else None
-        STEP_STATE.begin(level, None, late_budget=late_budget)
+        return
+    step_id = msg.data.get("step_id")
+    if not msg.data.get("requests_per_user") or step_id is None:
+        STEP_STATE.begin(level, None)
+        return
+    runner = environment.runner
+    draw = TicketDraw(
+        step_id,
+        ask=lambda count: runner.send_message(TICKETS_ASK, {"step_id": step_id, "count": count}),
+        users_here=lambda: runner.user_count,
+    )
+    STEP_STATE.begin(level, None, draw=draw)
+
+
+def serve_tickets(master_runner) -> None:
+    """A master (the web UI's, or the headless experiments') hands out request-counted steps."""
+    master_runner.register_message(TICKETS_ASK, on_tickets_ask)
+
+
+def follow_steps(worker_runner) -> None:
+    """A worker process follows the master's steps and draws on its pool."""
+    worker_runner.register_message(STEP_MESSAGE, on_step_message)
+    worker_runner.register_message(TICKETS_GRANT, on_tickets_grant)
+    worker_runner.environment.events.test_stop.add_listener(on_worker_test_stop)
 
 
 @events.spawning_complete.add_listener
@@ -169,16 +209,22 @@ class StepLoadShape(SteppedShape):
         return step * self.requests_per_user if self.requests_per_user else None
 
     def begin_step(self, step) -> None:
-        STEP_STATE.begin(step, self.budget(step))
-        self._tell_workers(step)
+        budget = self.budget(step)
+        STEP_STATE.begin(step, budget)
+        step_id = TICKET_POOL.open(budget) if budget and self.is_master() else None
+        self._tell_workers(step, step_id)
 
     def end_steps(self) -> None:
         STEP_STATE.close()
-        self._tell_workers(None)
-
-    def _tell_workers(self, level: int | None) -> None:
         if self.is_master():
-            self.runner.send_message(STEP_MESSAGE, {"level": level, "requests_per_user": self.requests_per_user})
+            TICKET_POOL.close()
+        self._tell_workers(None, None)
+
+    def _tell_workers(self, level: int | None, step_id: int | None) -> None:
+        if self.is_master():
+            self.runner.send_message(
+                STEP_MESSAGE, {"level": level, "requests_per_user": self.requests_per_user, "step_id": step_id}
+            )
 
     def users(self, step) -> tuple:
         # Every client of a step starts at once, as the lab's thread pool does; a gradual ramp

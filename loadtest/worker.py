@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest import distributed, metrics
     from loadtest.arrivals import RATE_MESSAGE, PoissonArrivalUser, on_rate_message
     from loadtest.step_state import STEP_STATE
-    from loadtest.steps import STEP_MESSAGE, on_step_message, on_worker_test_stop
+    from loadtest.steps import follow_steps
     from loadtest.users import (
         CompletionUser,
         PrefixCacheUser,
@@ -71,11 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         metrics.RECORDS.clear()
         STEP_STATE.reset()
 
-    runner.register_message(STEP_MESSAGE, on_step_message)
+    follow_steps(runner)
     runner.register_message(RATE_MESSAGE, on_rate_message)
     runner.register_message(distributed.PHASE_MESSAGE, on_phase)
     runner.register_message(distributed.COLLECT_MESSAGE, on_collect)
-    environment.events.test_stop.add_listener(on_worker_test_stop)
     runner.greenlet.join()
     return 0
 

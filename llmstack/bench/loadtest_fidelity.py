@@ -46,7 +46,7 @@ from llmstack import REPO_ROOT
 from llmstack.bench.gateway_report import md_table, median_range, median_range_of
 from llmstack.cli import StackError, UsageError, add_json_argument, main_exit, parser_from_doc, progress
 from llmstack.promtext import Snapshot
-from llmstack.stats import difference, spread
+from llmstack.stats import deciles, difference, mean_in_flight_by_part, spread
 from llmstack.vllm import VLLM_PORT, ComposeStack, HostVllm, add_stack_arguments, served_model, stack_from_args
 
 PROG = "loadtest_fidelity.py"
@@ -210,6 +210,7 @@ def bench_serve(
             "--request-rate",
             "inf",
             "--save-result",
+            "--save-detailed",
             "--percentile-metrics",
             "ttft,tpot,itl,e2el",
         ]
@@ -223,7 +224,23 @@ def bench_serve(
         "vllm_tpot_ms": mean_ms(before, after, TPOT_HISTOGRAM),
         "throughput_tok_s": data.get("output_throughput"),
         "completed": data.get("completed"),
+        "in_flight_by_quarter": mean_in_flight_by_part(bench_intervals(data)),
+        # From its per-request TTFTs with this project's percentile, as the harness's.
+        "ttft_p90_ms": spread(ttft * 1000 for ttft in data.get("ttfts") or [] if ttft).p90,
+        "ttft_deciles_ms": deciles(ttft * 1000 for ttft in data.get("ttfts") or [] if ttft),
     }
+
+
+def bench_intervals(data: dict) -> list[tuple[float, float]]:
+    """(start, end) of each of `vllm bench serve`'s successful requests, from its detailed result:
+    start, first token, then every inter-token latency."""
+    starts, ttfts, itls = (data.get(key) or [] for key in ("start_times", "ttfts", "itls"))
+    errors = data.get("errors") or [""] * len(starts)
+    return [
+        (start, start + ttft + sum(gaps))
+        for start, ttft, gaps, error in zip(starts, ttfts, itls, errors, strict=False)
+        if not error and ttft
+    ]
 
 
 def diff_pct(value: float | None, reference: float | None) -> float | None:
@@ -294,10 +311,13 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
                         {
                             "harness_ttft_ms": check["client_ttft_mean_ms"],
                             "harness_ttft_p50_ms": (row.get("ttft_ms") or {}).get("p50"),
+                            "harness_ttft_p90_ms": (row.get("ttft_ms") or {}).get("p90"),
+                            "harness_ttft_deciles_ms": row.get("ttft_ms_deciles"),
                             "harness_tpot_ms": check["client_tpot_mean_ms"],
                             "harness_throughput_tok_s": row.get("throughput_tok_s"),
                             "harness_failures": row.get("failures"),
                             "harness_requests": row.get("requests"),
+                            "harness_in_flight_by_quarter": row.get("mean_in_flight_by_quarter"),
                             "harness_cpu_pct": row.get("client_cpu_pct"),
                             "loader_processes": measured["loader_processes"],
                             "vllm_hist_ttft_ms": check["vllm_ttft_mean_ms"],
@@ -416,9 +436,19 @@ def mean_in_flight(run: dict, side: str, max_tokens: int) -> float | None:
     return tok_s / max_tokens * (ttft + (max_tokens - 1) * tpot) / 1000
 
 
+def in_flight_in_quarter(run: dict, side: str, quarter: int) -> float | None:
+    """Requests at once on average in one quarter of a side's run (from its per-request times)."""
+    quarters = run.get(f"{side}_in_flight_by_quarter") or []
+    return quarters[quarter] if len(quarters) == 4 else None
+
+
 SERVER_VIEW = (  # (header, figure of one run, digits)
     ("harness mean in flight", lambda run, n: mean_in_flight(run, "harness", n), 1),
     ("bench mean in flight", lambda run, n: mean_in_flight(run, "bench", n), 1),
+    ("harness in flight, first quarter", lambda run, n: in_flight_in_quarter(run, "harness", 0), 1),
+    ("bench in flight, first quarter", lambda run, n: in_flight_in_quarter(run, "bench", 0), 1),
+    ("harness in flight, last quarter", lambda run, n: in_flight_in_quarter(run, "harness", 3), 1),
+    ("bench in flight, last quarter", lambda run, n: in_flight_in_quarter(run, "bench", 3), 1),
     ("vLLM hist TTFT mean ms, harness's requests", lambda run, n: run.get("vllm_hist_ttft_ms"), 1),
     ("vLLM hist TTFT mean ms, bench's", lambda run, n: run.get("bench_vllm_ttft_ms"), 1),
     ("vLLM hist TPOT mean ms, harness's requests", lambda run, n: run.get("vllm_hist_tpot_ms"), 1),
@@ -445,6 +475,20 @@ def server_view_table(data: dict) -> str:
             row.append(median_range_of(values, digits))
         rows.append(row)
     return md_table(["Clients", *(header for header, _, _ in columns)], rows)
+
+
+def ttft_deciles_table(data: dict) -> str:
+    """Per level and client, each TTFT decile (p10..p90 of the run's requests), median over the
+    repeats: the distribution's shape, where a median between two groups of requests moves far
+    with a small shift of the share in each."""
+    rows = []
+    for level in data["settings"]["levels"]:
+        runs = [run for run in data["runs"] if run["concurrency"] == level]
+        for side, key in (("harness", "harness_ttft_deciles_ms"), ("vllm bench serve", "bench_ttft_deciles_ms")):
+            per_run = [run[key] for run in runs if len(run.get(key) or []) == 9]
+            if per_run:
+                rows.append([str(level), side, *(fmt(spread(column).p50, 0) for column in zip(*per_run, strict=True))])
+    return md_table(["Clients", "client", *(f"p{q} ms" for q in range(10, 100, 10))], rows)
 
 
 TABLE_COLUMNS = (  # (header, key, digits)

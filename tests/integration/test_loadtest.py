@@ -72,6 +72,8 @@ def test_concurrency_table_is_self_consistent(experiments):
         assert row["max_in_flight"] == level
         # On average fewer: the step's first requests start together and its last ones drain.
         assert 0 < row["mean_in_flight"] <= level * (1 + 1e-9)
+        quarters = row["mean_in_flight_by_quarter"]
+        assert len(quarters) == 4 and math.isclose(sum(quarters) / 4, row["mean_in_flight"], rel_tol=1e-6), row
         assert row["max_running_in_vllm"] is not None and 0 <= row["max_running_in_vllm"] <= level, row
 
 

@@ -492,6 +492,35 @@ def test_fidelity_server_view_counts_requests_in_flight_by_littles_law():
     table = loadtest_fidelity.server_view_table({"settings": {"levels": [4], "max_tokens": 50}, "runs": counted})
     assert "SYN retransmissions, bench run" in table and "| 0 (0–0) | 2 (0–4) |" in table
     assert "listen queue" not in table
+    quartered = [run | {"harness_in_flight_by_quarter": [4.0, 4.0, 4.0, 2.0]} for run in runs]
+    table = loadtest_fidelity.server_view_table({"settings": {"levels": [4], "max_tokens": 50}, "runs": quartered})
+    assert "harness in flight, last quarter" in table and "bench in flight, first quarter" not in table
+
+
+def test_fidelity_ttft_deciles_are_medians_over_the_repeats():
+    from llmstack.bench import loadtest_fidelity
+
+    runs = [
+        {"concurrency": 512, "harness_ttft_deciles_ms": [float(10 * q + i) for q in range(1, 10)]} for i in range(3)
+    ]
+    data = {"settings": {"levels": [512]}, "runs": runs}
+    table = loadtest_fidelity.ttft_deciles_table(data)
+    assert "| 512 | harness | 11 | 21 | 31 | 41 | 51 | 61 | 71 | 81 | 91 |" in table
+    assert "vllm bench serve" not in table  # older files have no deciles: no row
+
+
+def test_fidelity_reads_bench_serves_requests_from_its_detailed_result():
+    from llmstack.bench import loadtest_fidelity
+
+    # Two requests at once for 1 s, then a failed one (no TTFT) that does not count.
+    detailed = {
+        "start_times": [10.0, 10.0, 10.5],
+        "ttfts": [0.25, 0.5, 0.0],
+        "itls": [[0.25, 0.5], [0.5], []],
+        "errors": ["", "", "timeout"],
+    }
+    assert loadtest_fidelity.bench_intervals(detailed) == [(10.0, 11.0), (10.0, 11.0)]
+    assert loadtest_fidelity.bench_intervals({}) == []
 
 
 def test_fidelity_reads_the_kernels_tcp_counters_and_merges_results(tmp_path):

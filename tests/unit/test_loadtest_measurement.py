@@ -16,11 +16,11 @@ import requests
 
 from llmstack.promtext import Snapshot
 from llmstack.sse import COMPLETIONS, RequestRecord, build_body, chunk_text, iter_sse_data, send
-from llmstack.stats import percentile
+from llmstack.stats import mean_in_flight_by_part, percentile
 from loadtest import distributed, report, results
 from loadtest.buckets import precise_bucket
 from loadtest.settings import Settings, SettingsError, parse_levels, read_keys
-from loadtest.step_state import StepState, StepWindow, max_overlap, samples_in_step
+from loadtest.step_state import StepState, StepWindow, TicketDraw, TicketPool, max_overlap, samples_in_step
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,6 +87,8 @@ def test_the_tables_take_their_percentiles_from_llmstack_stats():
     for q in (50, 90, 99):
         assert row["ttft_ms"][f"p{q}"] == pytest.approx(percentile(ttfts, q) * 1000)
     assert row["ttft_ms"]["p90"] == pytest.approx(12.1)
+    assert row["ttft_ms_deciles"] == pytest.approx([percentile(ttfts, q) * 1000 for q in range(10, 100, 10)])
+    assert row["ttft_ms_deciles"][-1] == pytest.approx(row["ttft_ms"]["p90"])
     assert row["tpot_ms"]["p90"] == pytest.approx(percentile([r.tpot for r in records], 90) * 1000)
     # The streaming table's medians are the same percentile's p50.
     assert results.streaming_result(records[:4], 11)["median"]["ttft_ms"] == pytest.approx(4.0)
@@ -131,11 +133,40 @@ def test_no_request_of_a_step_starts_before_all_its_users_run():
     assert state.try_start() == (False, 4)
 
 
-def test_a_distributed_step_is_counted_once_its_users_run_and_a_closed_step_blocks_until_the_next_run():
+def test_mean_in_flight_by_quarter_shows_where_a_level_was_not_held():
+    # Four requests over 0-4 s: all four in the first second, two in the second, then one.
+    intervals = [(0.0, 4.0), (0.0, 2.0), (0.0, 1.0), (0.0, 1.0)]
+    assert mean_in_flight_by_part(intervals) == [4.0, 2.0, 1.0, 1.0]
+    assert sum(mean_in_flight_by_part(intervals)) / 4 == 8.0 / 4.0  # Little's law over the span
+    assert mean_in_flight_by_part([]) == [] and mean_in_flight_by_part([(1.0, 1.0)]) == []
+
+
+class FakeMaster:
+    """The master's side of the ticket messages, answered at once (loadtest.steps.TicketPool)."""
+
+    def __init__(self, requests: int):
+        self.pool = TicketPool()
+        self.step_id = self.pool.open(requests)
+        self.asks: list[int] = []
+
+    def draw(self, state: StepState, users_here: int) -> TicketDraw:
+        def ask(count: int) -> None:
+            self.asks.append(count)
+            granted = self.pool.take(self.step_id, count)
+            state.grant(self.step_id, granted, self.pool.remaining == 0)
+
+        return TicketDraw(self.step_id, ask=ask, users_here=lambda: users_here)
+
+
+def test_a_distributed_step_draws_on_the_masters_pool_once_its_users_run():
     state = StepState()
-    state.begin(2, None, late_budget=lambda: 2 * 2)  # 2 users here, 2 requests each
+    master = FakeMaster(requests=4)
+    state.begin(2, None, draw=master.draw(state, users_here=2))
+    assert master.asks == [] and state.try_start() == (False, 2)  # its users are still starting
     state.mark_spawned()
+    assert master.asks == [2]  # one request per user here
     assert [state.try_start()[0] for _ in range(5)] == [True, True, True, True, False]
+    assert sum(master.asks) >= 4 and master.pool.remaining == 0
     state.close()
     assert state.try_start() == (False, 2)
     state.finish()  # a worker's test_stop: the web UI's next run may have no steps
@@ -143,17 +174,50 @@ def test_a_distributed_step_is_counted_once_its_users_run_and_a_closed_step_bloc
     assert [w.level for w in state.windows] == [2] and state.windows[0].cpu_ended is not None
 
 
-def test_a_workers_users_share_its_part_of_the_step_once_they_all_run():
-    users_here = 3
+def test_workers_draw_from_one_pool_so_a_fast_worker_sends_what_a_slow_one_does_not():
+    master = FakeMaster(requests=64)  # 16 clients x 4 requests, 8 users on each of two workers
+    fast, slow = StepState(), StepState()
+    fast.begin(16, None, draw=master.draw(fast, users_here=8))
+    slow.begin(16, None, draw=master.draw(slow, users_here=8))
+    fast.mark_spawned()
+    slow.mark_spawned()
+    assert sum(slow.try_start()[0] for _ in range(8)) == 8  # the slow worker's users each send one
+    sent_by_fast = 0
+    while fast.try_start()[0]:
+        sent_by_fast += 1
+    # The fast worker sent everything else; the slow one holds at most its chunk ahead.
+    assert sent_by_fast + 8 + (slow.budget - slow.started_requests) == 64
+    assert slow.budget - slow.started_requests <= 2 * slow.draw.chunk
+    assert master.pool.remaining == 0
+
+
+def test_every_user_of_a_distributed_step_sends_its_first_request_at_once():
+    master = FakeMaster(requests=8)  # the warm-up's one request per client, 8 clients on 3 workers
+    workers = [StepState() for _ in range(3)]
+    for state, users in zip(workers, (3, 3, 2), strict=True):
+        state.begin(8, None, draw=master.draw(state, users_here=users))
+        state.mark_spawned()
+    started = [sum(state.try_start()[0] for _ in range(users)) for state, users in zip(workers, (3, 3, 2), strict=True)]
+    assert started == [3, 3, 2] and master.pool.remaining == 0
+
+
+def test_a_grant_for_an_ended_step_is_ignored_and_the_pool_refuses_old_steps():
+    pool = TicketPool()
+    old = pool.open(10)
+    new = pool.open(5)
+    assert pool.take(old, 3) == 0 and pool.take(new, 3) == 3 and pool.take(new, 3) == 2
     state = StepState()
-    state.begin(8, None, late_budget=lambda: 2 * users_here)
-    assert state.try_start() == (False, 8)  # its users are still starting
+    state.begin(4, None, draw=TicketDraw(new, ask=lambda count: None, users_here=lambda: 4))
     state.mark_spawned()
-    # 3 users x 2 requests, drawn by whichever user is free: one fast user may send them all.
-    assert [state.try_start()[0] for _ in range(7)] == [True] * 6 + [False]
-    users_here = 5  # the same level again: no user starts, the share is counted at once
-    state.begin(8, None, late_budget=lambda: 2 * users_here)
-    assert sum(state.try_start()[0] for _ in range(12)) == 10
+    state.grant(old, 7, False)
+    assert state.budget == 0
+    idle = StepState()  # a worker none of whose users are in this step asks for nothing
+    idle.begin(4, None, draw=TicketDraw(new, ask=lambda count: pytest.fail("asked"), users_here=lambda: 0))
+    idle.mark_spawned()
+    state.grant(new, 2, True)
+    assert [state.try_start()[0] for _ in range(3)] == [True, True, False]
+    pool.close()
+    assert pool.take(new, 1) == 0
 
 
 def test_worker_count_follows_the_highest_level_and_the_cores():
