@@ -189,6 +189,7 @@ for _stem in (
     "fidelity-h100-saturation",
     "fidelity-h100-512-8-workers",
     "fidelity-h100-512-12-per-client",
+    "fidelity-h100-shared-pool",
 ):
     _source = f"docs/loadtest/{_stem}.json"
     GENERATORS[_stem] = Generator(_source, loadtest_fidelity.repeats_table)  # type: ignore[arg-type]

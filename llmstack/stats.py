@@ -117,3 +117,11 @@ def mean_in_flight_by_part(intervals: list[tuple[float, float]], parts: int = 4)
     return [
         sum(max(0.0, min(stop, low + width) - max(start, low)) for start, stop in intervals) / width for low in slices
     ]
+
+
+def first_wave_split(requests: Iterable[tuple[float, float]], level: int) -> tuple[float | None, float | None]:
+    """Mean of a value over the first `level` requests by start (every client's first: a closed loop's
+    step opens with all of them at once) and over the rest. Requests are (start, value) pairs."""
+    ordered = [value for _start, value in sorted(requests)]
+    first, rest = ordered[:level], ordered[level:]
+    return (statistics.fmean(first) if first else None, statistics.fmean(rest) if rest else None)

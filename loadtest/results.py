@@ -10,7 +10,7 @@ import statistics
 
 from llmstack.promtext import MetricsFormatError, Snapshot, fetch
 from llmstack.sse import RequestRecord
-from llmstack.stats import deciles, mean_in_flight_by_part, spread
+from llmstack.stats import deciles, first_wave_split, mean_in_flight_by_part, spread
 from loadtest.step_state import StepWindow, max_overlap, samples_in_step
 
 TTFT_HISTOGRAM = "vllm:time_to_first_token_seconds"
@@ -100,6 +100,10 @@ def concurrency_row(
                 "avg_tps_per_request": statistics.fmean(r.tokens_per_second or 0.0 for r in ok),
                 "ttft_ms": spread_ms([r.ttft for r in ok if r.ttft is not None]),
                 "ttft_ms_deciles": deciles(r.ttft * 1000 for r in ok if r.ttft is not None),
+                # Every client's first request, sent together when the step opens, against the rest.
+                "ttft_ms_first_wave_and_later": first_wave_split(
+                    ((r.started, r.ttft * 1000) for r in ok if r.ttft is not None), level
+                ),
                 "tpot_ms": spread_ms([r.tpot for r in ok if r.tpot is not None]),
                 "e2e_ms": spread_ms([r.e2e for r in ok]),
             }

@@ -46,7 +46,7 @@ from llmstack import REPO_ROOT
 from llmstack.bench.gateway_report import md_table, median_range, median_range_of
 from llmstack.cli import StackError, UsageError, add_json_argument, main_exit, parser_from_doc, progress
 from llmstack.promtext import Snapshot
-from llmstack.stats import deciles, difference, mean_in_flight_by_part, spread
+from llmstack.stats import deciles, difference, first_wave_split, mean_in_flight_by_part, spread
 from llmstack.vllm import VLLM_PORT, ComposeStack, HostVllm, add_stack_arguments, served_model, stack_from_args
 
 PROG = "loadtest_fidelity.py"
@@ -228,6 +228,14 @@ def bench_serve(
         # From its per-request TTFTs with this project's percentile, as the harness's.
         "ttft_p90_ms": spread(ttft * 1000 for ttft in data.get("ttfts") or [] if ttft).p90,
         "ttft_deciles_ms": deciles(ttft * 1000 for ttft in data.get("ttfts") or [] if ttft),
+        "ttft_first_wave_and_later_ms": first_wave_split(
+            (
+                (start, ttft * 1000)
+                for start, ttft in zip(data.get("start_times") or [], data.get("ttfts") or [], strict=False)
+                if ttft
+            ),
+            level,
+        ),
     }
 
 
@@ -313,6 +321,7 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
                             "harness_ttft_p50_ms": (row.get("ttft_ms") or {}).get("p50"),
                             "harness_ttft_p90_ms": (row.get("ttft_ms") or {}).get("p90"),
                             "harness_ttft_deciles_ms": row.get("ttft_ms_deciles"),
+                            "harness_ttft_first_wave_and_later_ms": row.get("ttft_ms_first_wave_and_later"),
                             "harness_tpot_ms": check["client_tpot_mean_ms"],
                             "harness_throughput_tok_s": row.get("throughput_tok_s"),
                             "harness_failures": row.get("failures"),
@@ -442,6 +451,12 @@ def in_flight_in_quarter(run: dict, side: str, quarter: int) -> float | None:
     return quarters[quarter] if len(quarters) == 4 else None
 
 
+def ttft_of_wave(run: dict, side: str, wave: int) -> float | None:
+    """TTFT mean of every client's first request (wave 0) or of the later ones (1), in one run."""
+    split = run.get(f"{side}_ttft_first_wave_and_later_ms") or []
+    return split[wave] if len(split) == 2 else None
+
+
 SERVER_VIEW = (  # (header, figure of one run, digits)
     ("harness mean in flight", lambda run, n: mean_in_flight(run, "harness", n), 1),
     ("bench mean in flight", lambda run, n: mean_in_flight(run, "bench", n), 1),
@@ -449,6 +464,10 @@ SERVER_VIEW = (  # (header, figure of one run, digits)
     ("bench in flight, first quarter", lambda run, n: in_flight_in_quarter(run, "bench", 0), 1),
     ("harness in flight, last quarter", lambda run, n: in_flight_in_quarter(run, "harness", 3), 1),
     ("bench in flight, last quarter", lambda run, n: in_flight_in_quarter(run, "bench", 3), 1),
+    ("harness TTFT mean ms, each client's first request", lambda run, n: ttft_of_wave(run, "harness", 0), 0),
+    ("bench TTFT mean ms, each client's first request", lambda run, n: ttft_of_wave(run, "bench", 0), 0),
+    ("harness TTFT mean ms, later requests", lambda run, n: ttft_of_wave(run, "harness", 1), 0),
+    ("bench TTFT mean ms, later requests", lambda run, n: ttft_of_wave(run, "bench", 1), 0),
     ("vLLM hist TTFT mean ms, harness's requests", lambda run, n: run.get("vllm_hist_ttft_ms"), 1),
     ("vLLM hist TTFT mean ms, bench's", lambda run, n: run.get("bench_vllm_ttft_ms"), 1),
     ("vLLM hist TPOT mean ms, harness's requests", lambda run, n: run.get("vllm_hist_tpot_ms"), 1),

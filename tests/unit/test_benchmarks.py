@@ -495,6 +495,9 @@ def test_fidelity_server_view_counts_requests_in_flight_by_littles_law():
     quartered = [run | {"harness_in_flight_by_quarter": [4.0, 4.0, 4.0, 2.0]} for run in runs]
     table = loadtest_fidelity.server_view_table({"settings": {"levels": [4], "max_tokens": 50}, "runs": quartered})
     assert "harness in flight, last quarter" in table and "bench in flight, first quarter" not in table
+    waves = [run | {"bench_ttft_first_wave_and_later_ms": [900.0, 300.0]} for run in runs]
+    table = loadtest_fidelity.server_view_table({"settings": {"levels": [4], "max_tokens": 50}, "runs": waves})
+    assert "bench TTFT mean ms, each client's first request" in table and "| 900 (900–900) | 300 (300–300) |" in table
 
 
 def test_fidelity_ttft_deciles_are_medians_over_the_repeats():

@@ -16,7 +16,7 @@ import requests
 
 from llmstack.promtext import Snapshot
 from llmstack.sse import COMPLETIONS, RequestRecord, build_body, chunk_text, iter_sse_data, send
-from llmstack.stats import mean_in_flight_by_part, percentile
+from llmstack.stats import first_wave_split, mean_in_flight_by_part, percentile
 from loadtest import distributed, report, results
 from loadtest.buckets import precise_bucket
 from loadtest.settings import Settings, SettingsError, parse_levels, read_keys
@@ -83,12 +83,17 @@ def test_the_tables_take_their_percentiles_from_llmstack_stats():
     interpolated (nearest rank would give 40 ms for p90 of these ten)."""
     ttfts = [0.001 * x for x in (5, 1, 9, 3, 7, 2, 8, 4, 6, 40)]
     records = [streamed(ttft, ttft + 0.1) for ttft in ttfts]
+    for index, record in enumerate(records):
+        record.started += index  # one after another, as one client sends them
     row = results.concurrency_row(1, records, 11, [], [])
     for q in (50, 90, 99):
         assert row["ttft_ms"][f"p{q}"] == pytest.approx(percentile(ttfts, q) * 1000)
     assert row["ttft_ms"]["p90"] == pytest.approx(12.1)
     assert row["ttft_ms_deciles"] == pytest.approx([percentile(ttfts, q) * 1000 for q in range(10, 100, 10)])
     assert row["ttft_ms_deciles"][-1] == pytest.approx(row["ttft_ms"]["p90"])
+    # One client: its first request (5 ms) against its nine others.
+    first, later = row["ttft_ms_first_wave_and_later"]
+    assert first == pytest.approx(5.0) and later == pytest.approx(sum(ttfts[1:]) / 9 * 1000)
     assert row["tpot_ms"]["p90"] == pytest.approx(percentile([r.tpot for r in records], 90) * 1000)
     # The streaming table's medians are the same percentile's p50.
     assert results.streaming_result(records[:4], 11)["median"]["ttft_ms"] == pytest.approx(4.0)
@@ -139,6 +144,13 @@ def test_mean_in_flight_by_quarter_shows_where_a_level_was_not_held():
     assert mean_in_flight_by_part(intervals) == [4.0, 2.0, 1.0, 1.0]
     assert sum(mean_in_flight_by_part(intervals)) / 4 == 8.0 / 4.0  # Little's law over the span
     assert mean_in_flight_by_part([]) == [] and mean_in_flight_by_part([(1.0, 1.0)]) == []
+
+
+def test_first_wave_split_takes_every_clients_first_request_by_start():
+    # Two clients: their first requests (started at 0) waited 900 and 700 ms, the later ones 100-300.
+    requests = [(1.2, 300.0), (0.0, 900.0), (1.0, 100.0), (0.0, 700.0)]
+    assert first_wave_split(requests, 2) == (800.0, 200.0)
+    assert first_wave_split(requests[:1], 2) == (300.0, None) and first_wave_split([], 2) == (None, None)
 
 
 class FakeMaster:
