@@ -423,13 +423,13 @@ def repeats_table(data: dict) -> str:
     rows = []
     for entry in data["levels"]:
         row = [str(entry["concurrency"]), str(entry.get("loader_processes", 1))]
-        for name, harness_key, bench_key, _ in COMPARED[:3]:
+        for name, harness_key, bench_key, _ in COMPARED:
             digits = 0 if "tok/s" in name else 2
             row += [cell(entry, harness_key, digits), cell(entry, bench_key, digits), verdict(entry, name)]
         row += [cell(entry, "vllm_hist_ttft_ms", 2)]
         rows.append(row)
     headers = ["Clients", "Loader processes"]
-    for name, *_ in COMPARED[:3]:
+    for name, *_ in COMPARED:
         headers += [f"harness {name}", f"bench {name}", "harness vs bench"]
     headers += ["vLLM hist TTFT mean ms (harness's requests)"]
     return md_table(headers, rows)
