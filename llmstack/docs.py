@@ -32,7 +32,7 @@ from llmstack.bench.gateway_report import md_table, memory_table
 from llmstack.bench.loadtest_fidelity import markdown_table as fidelity_table
 from llmstack.cli import StackError, main_exit, parser_from_doc
 from llmstack.stats import difference
-from loadtest import goodput, goodput_sweeps
+from loadtest import goodput, goodput_sweeps, report
 
 PROG = "python -m llmstack.docs"
 GPU_SUMMARY = "docs/gpu-results/summary.json"
@@ -151,6 +151,22 @@ def goodput_report(summary: dict) -> str:
     return md_table(goodput.TABLE_HEADERS, goodput.table_rows(result)) + f"\n{goodput.verdict(result)} {counts}\n"
 
 
+def experiments_sample(runs: list[dict]) -> str:
+    """The README's sample of the headless experiments: what `loadtest.experiments` printed for the
+    first of several runs of the same command (from their --json), then how far the runs differ."""
+
+    def figures(pick: Callable[[dict], float | None]) -> str:
+        return " / ".join(f"{value:.0f}" if (value := pick(run)) is not None else "-" for run in runs)
+
+    spread_line = (
+        f"The same command {len(runs)} times in a row: client TTFT mean "
+        f"{figures(lambda run: run['concurrency']['vllm']['client_ttft_mean_ms'])} ms against vLLM's "
+        f"{figures(lambda run: run['concurrency']['vllm']['vllm_ttft_mean_ms'])} ms over the same requests; "
+        f"streaming TTFT median {figures(lambda run: run['streaming']['median']['ttft_ms'])} ms."
+    )
+    return "```text\n" + report.render_tables(runs[0]) + "\n```\n\n" + spread_line
+
+
 GENERATORS: dict[str, Generator] = {
     "h200-short": Generator(GPU_SUMMARY, lambda data: h200_short(data)),  # type: ignore[arg-type]
     "h200-summary": Generator(GPU_SUMMARY, lambda data: h200_summary(data)),  # type: ignore[arg-type]
@@ -204,6 +220,9 @@ GENERATORS["fidelity-h100-pooled-server"] = Generator(
     _source,
     lambda parts: loadtest_fidelity.server_view_table(loadtest_fidelity.merge_results(parts)),  # type: ignore[arg-type]
 )
+
+# The README's sample of the headless experiments (docs/loadtest/experiments-cpu/run-N.json).
+GENERATORS["experiments-cpu"] = Generator("docs/loadtest/experiments-cpu", experiments_sample)  # type: ignore[arg-type]
 GENERATORS["goodput-h100"] = Generator("docs/loadtest/goodput-h100.json", goodput_report)  # type: ignore[arg-type]
 GENERATORS["goodput-h100-sweeps"] = Generator("docs/loadtest/goodput-h100-sweeps", goodput_sweeps.docs_report)  # type: ignore[arg-type]
 DOCUMENTS = (
