@@ -22,18 +22,37 @@ class StepWindow:
         self.cpu_ended = time.process_time()
 
 
+# A worker that heard nothing back this long asks again (a lost message must not stall the step).
+ASK_RETRY_S = 2.0
+
+
+def may_ask_ahead(remaining: int, level: int) -> bool:
+    """Whether workers may still hold requests ahead (TicketDraw): while the pool has a quarter of
+    a level's worth or more."""
+    return remaining * 4 >= level
+
+
 @dataclass
 class TicketDraw:
-    """A worker's draw on the master's pool of a step's requests (loadtest.steps sends the messages)."""
+    """A worker's draw on the master's pool of a step's requests (loadtest.steps sends the messages).
+
+    Every user's first request is the worker's own (a step opens with all its clients sending at
+    once); the master's pool holds the rest. While the pool holds a quarter of a level's worth or
+    more, a worker keeps up to a chunk (an eighth of its users) ahead, so a user that finishes finds
+    its next request here without a round trip to the master; those are sent long before the pool
+    runs dry. For the last quarter-level it asks only for users that wait, so at the end no worker
+    holds requests that another worker's idle user could send (`vllm bench serve`'s one list gives
+    the next prompt to whichever client is free)."""
 
     step_id: int
     ask: Callable[[int], None]  # asks the master for n more requests of this step
     users_here: Callable[[], int]  # this process's users (Locust's count), once they all run
-    # Asked for ahead whenever no more than this many are left: small, so a worker holds few
-    # requests that another worker's idle user could send.
-    chunk: int = 1
-    asking: bool = False
+    ahead: bool = True  # may_ask_ahead, as of the master's last word
     pool_empty: bool = False
+    chunk: int = 1  # an eighth of the users here
+    first_wave_taken: bool = False
+    asked_at: float | None = None  # when the outstanding ask went out
+    waiting: set[int] = field(default_factory=set)  # users here that found no request to send
 
 
 @dataclass
@@ -92,55 +111,73 @@ class StepState:
         self._send_ask(wanted)
 
     def _first_ask(self) -> int:
-        """Every user of the step runs here: one request for each, as every client of a step sends
-        its first at once; the chunks ahead follow as they start (_next_ask). A worker without
-        users in this step asks for none."""
+        """Every user of the step runs here: each sends its first request at once, from this
+        worker's own part of the step; then the asks to the master begin (_next_ask). A worker
+        without users in this step takes nothing."""
         draw = self.draw
-        if draw is None or draw.asking or self.budget:
+        if draw is None or draw.first_wave_taken or self.budget is None:
             return 0
         users = draw.users_here()
         if users < 1:
             return 0
+        draw.first_wave_taken = True
         draw.chunk = max(1, -(-users // 8))
-        draw.asking = True
-        return users
+        self.budget += users
+        return self._next_ask()
 
     def _next_ask(self) -> int:
         draw = self.draw
-        if draw is None or draw.asking or draw.pool_empty or self.budget is None:
+        if draw is None or not draw.first_wave_taken or draw.pool_empty or self.budget is None:
             return 0
-        if self.budget - self.started_requests > draw.chunk:
+        if draw.asked_at is not None and time.monotonic() - draw.asked_at < ASK_RETRY_S:
+            return 0  # one ask at a time
+        available = self.budget - self.started_requests
+        # Ahead: topped up to a chunk, never more held here. Near the end: only for users that wait.
+        wanted = (draw.chunk if draw.ahead else len(draw.waiting)) - available
+        if wanted <= 0:
             return 0
-        draw.asking = True
-        return draw.chunk
+        draw.asked_at = time.monotonic()
+        return wanted
 
     def _send_ask(self, wanted: int) -> None:
         # Outside the lock: sending to the master may switch to another greenlet.
         draw = self.draw
-        if wanted and draw is not None:
+        if not wanted or draw is None:
+            return
+        try:
             draw.ask(wanted)
+        except Exception:
+            draw.asked_at = None  # not sent: the next user to come asks again
+            raise
 
-    def grant(self, step_id: int, count: int, pool_empty: bool) -> None:
-        """The master's answer: `count` more requests of the step, and whether its pool is now empty."""
+    def grant(self, step_id: int, count: int, remaining: int) -> None:
+        """The master's answer: `count` more requests of the step, and how many its pool has left."""
         with self._lock:
             draw = self.draw
             if draw is None or draw.step_id != step_id or self.budget is None:
                 return  # an answer for a step that has ended here
             self.budget += count
-            draw.asking, draw.pool_empty = False, pool_empty
+            draw.asked_at = None
+            draw.pool_empty = remaining <= 0
+            draw.ahead = may_ask_ahead(remaining, self.level or 0)
             wanted = self._next_ask()
         self._send_ask(wanted)
 
-    def try_start(self) -> tuple[bool, int | None]:
-        """(may send now, step label). Outside any step there is no limit and no label."""
+    def try_start(self, user: object | None = None) -> tuple[bool, int | None]:
+        """(may send now, step label) for `user` (default: this thread or greenlet). Outside any
+        step there is no limit and no label."""
+        waiter = id(user) if user is not None else threading.get_ident()
         with self._lock:
             if not self.spawned:
                 return False, self.level
-            if self.budget is not None and self.started_requests >= self.budget:
-                allowed = False
-            else:
+            allowed = self.budget is None or self.started_requests < self.budget
+            if allowed:
                 self.started_requests += 1
-                allowed = True
+            if self.draw is not None:
+                if allowed:
+                    self.draw.waiting.discard(waiter)
+                else:
+                    self.draw.waiting.add(waiter)
             level, wanted = self.level, self._next_ask()
         self._send_ask(wanted)
         return allowed, level
@@ -152,10 +189,10 @@ class StepState:
 
 
 class TicketPool:
-    """On the master: the requests left in the current request-counted step, which the workers draw
-    on (loadtest.steps passes the messages). With a share per worker, a worker whose share was spent
-    left its users idle while other workers still sent; one pool, as `vllm bench serve` has, keeps
-    every user busy until the step's last requests."""
+    """On the master: the requests of the current request-counted step beyond every client's first,
+    which the workers draw on (loadtest.steps passes the messages). With a share per worker, a
+    worker whose share was spent left its users idle while other workers still sent; one pool, as
+    `vllm bench serve` has, keeps every user busy until the step's last requests."""
 
     def __init__(self) -> None:
         self.step_id = 0

@@ -19,11 +19,11 @@ from locust import LoadTestShape, events
 
 from loadtest.metrics import E2E
 from loadtest.settings import DEFAULT_LEVELS, SettingsError, parse_levels
-from loadtest.step_state import STEP_STATE, TicketDraw, TicketPool
+from loadtest.step_state import STEP_STATE, TicketDraw, TicketPool, may_ask_ahead
 
 STEP_MESSAGE = "loadtest_step"
 TICKETS_ASK = "loadtest_tickets_ask"  # worker to master: {step_id, count}
-TICKETS_GRANT = "loadtest_tickets_grant"  # master to one worker: {step_id, count, pool_empty}
+TICKETS_GRANT = "loadtest_tickets_grant"  # master to one worker: {step_id, count, remaining}
 SPAWN_AT_ONCE = 100  # Locust warns above 100 users per second; levels above it ramp over a second or two
 
 
@@ -34,26 +34,26 @@ def on_tickets_ask(environment, msg, **_kwargs) -> None:
     """On the master: grant a worker what is left of what it asks for."""
     step_id = msg.data["step_id"]
     granted = TICKET_POOL.take(step_id, msg.data["count"])
-    empty = step_id != TICKET_POOL.step_id or TICKET_POOL.remaining == 0
+    remaining = TICKET_POOL.remaining if step_id == TICKET_POOL.step_id else 0
     environment.runner.send_message(
-        TICKETS_GRANT, {"step_id": step_id, "count": granted, "pool_empty": empty}, client_id=msg.node_id
+        TICKETS_GRANT, {"step_id": step_id, "count": granted, "remaining": remaining}, client_id=msg.node_id
     )
 
 
 def on_tickets_grant(environment, msg, **_kwargs) -> None:
-    STEP_STATE.grant(msg.data["step_id"], msg.data["count"], msg.data["pool_empty"])
+    STEP_STATE.grant(msg.data["step_id"], msg.data["count"], msg.data["remaining"])
 
 
 def on_step_message(environment, msg, **_kwargs) -> None:
     """On a worker: the master started a step, or ended the last one. In request mode this process's
-    users, once they all run, draw the step's requests from the master's pool; the master's count
-    decides when the step ends."""
+    users, once they all run, send their first requests, then draw the rest of the step's requests
+    from the master's pool; the master's count decides when the step ends."""
     level = msg.data.get("level")
     if level is None:
         STEP_STATE.close()
         return
-    step_id = msg.data.get("step_id")
-    if not msg.data.get("requests_per_user") or step_id is None:
+    step_id, pool = msg.data.get("step_id"), msg.data.get("pool")
+    if not msg.data.get("requests_per_user") or step_id is None or pool is None:
         STEP_STATE.begin(level, None)
         return
     runner = environment.runner
@@ -61,6 +61,8 @@ def on_step_message(environment, msg, **_kwargs) -> None:
         step_id,
         ask=lambda count: runner.send_message(TICKETS_ASK, {"step_id": step_id, "count": count}),
         users_here=lambda: runner.user_count,
+        ahead=may_ask_ahead(pool, level),
+        pool_empty=pool <= 0,
     )
     STEP_STATE.begin(level, None, draw=draw)
 
@@ -102,6 +104,7 @@ class SteppedShape(LoadTestShape):
         self.index = -1
         self.began_this_tick = False
         self.step_started = 0.0
+        self.completed_before = 0
         self.max_step_seconds = float(os.environ.get("LOADTEST_STEP_TIMEOUT_SECONDS") or "600")
 
     # --- what a subclass defines ---------------------------------------------------------------
@@ -137,6 +140,11 @@ class SteppedShape(LoadTestShape):
     def _begin(self, index: int) -> None:
         self.index, self.began_this_tick = index, True
         self.step_started = self.get_run_time()
+        # A level that comes again in this run has the same entries: count only what this step
+        # completes. (A first occurrence counts from 0: Locust resets its statistics when a run
+        # starts, which may come after this.)
+        repeated = self.steps[index] in self.steps[:index]
+        self.completed_before = self.completed_in_step() if repeated else 0
         self.begin_step(self.steps[index])
         print(
             f"\n[{self.label}] {self.describe(self.steps[index])} ({index + 1}/{len(self.steps)})",
@@ -159,7 +167,7 @@ class SteppedShape(LoadTestShape):
         held = self.get_run_time() - self.step_started
         budget = self.budget(self.steps[self.index])
         if budget:
-            return self.completed_in_step() >= budget or held >= self.max_step_seconds
+            return self.completed_in_step() - self.completed_before >= budget or held >= self.max_step_seconds
         return held >= (self.step_seconds or 0)
 
     def tick(self):
@@ -211,20 +219,21 @@ class StepLoadShape(SteppedShape):
     def begin_step(self, step) -> None:
         budget = self.budget(step)
         STEP_STATE.begin(step, budget)
-        step_id = TICKET_POOL.open(budget) if budget and self.is_master() else None
-        self._tell_workers(step, step_id)
+        # The workers' users send their first requests on their own; the pool holds the rest.
+        pool = budget - step if budget else None
+        step_id = TICKET_POOL.open(pool) if pool is not None and self.is_master() else None
+        self._tell_workers(step, step_id, pool)
 
     def end_steps(self) -> None:
         STEP_STATE.close()
         if self.is_master():
             TICKET_POOL.close()
-        self._tell_workers(None, None)
+        self._tell_workers(None, None, None)
 
-    def _tell_workers(self, level: int | None, step_id: int | None) -> None:
+    def _tell_workers(self, level: int | None, step_id: int | None, pool: int | None) -> None:
         if self.is_master():
-            self.runner.send_message(
-                STEP_MESSAGE, {"level": level, "requests_per_user": self.requests_per_user, "step_id": step_id}
-            )
+            data = {"level": level, "requests_per_user": self.requests_per_user, "step_id": step_id, "pool": pool}
+            self.runner.send_message(STEP_MESSAGE, data)
 
     def users(self, step) -> tuple:
         # Every client of a step starts at once, as the lab's thread pool does; a gradual ramp

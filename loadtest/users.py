@@ -90,11 +90,12 @@ class OpenAIUser(HttpUser):
                 config.model = response.json()["data"][0]["id"]
 
     def run_request(self, endpoint: str, body: dict, kind: str, tag: str = "") -> RequestRecord | None:
-        allowed, step = STEP_STATE.try_start()
+        allowed, step = STEP_STATE.try_start(self)
         while not allowed:
-            # The step's request budget is spent: wait for the shape to start the next step.
+            # No request of the step is free here yet (or the step is over): wait for one, or for the
+            # shape to start the next step.
             gevent.sleep(0.005)
-            allowed, step = STEP_STATE.try_start()
+            allowed, step = STEP_STATE.try_start(self)
         record = RequestRecord(kind, endpoint, bool(body.get("stream")), 0.0, 0.0, step=step, tag=tag)
         name = metrics.entry_name(record)
         record = send(self.client, "", endpoint, body, self.headers, kind, name=name)

@@ -216,6 +216,9 @@ def bench_serve(
         ]
     )
     after = snapshot(target.stack)
+    # (start, TTFT in ms) of each successful request, from the detailed result.
+    starts, ttfts = data.get("start_times") or [], data.get("ttfts") or []
+    started_ttfts = [(start, ttft * 1000) for start, ttft in zip(starts, ttfts, strict=False) if ttft]
     return {
         "ttft_ms": data["mean_ttft_ms"],
         "ttft_p50_ms": data.get("median_ttft_ms"),
@@ -225,17 +228,9 @@ def bench_serve(
         "throughput_tok_s": data.get("output_throughput"),
         "completed": data.get("completed"),
         "in_flight_by_quarter": mean_in_flight_by_part(bench_intervals(data)),
-        # From its per-request TTFTs with this project's percentile, as the harness's.
-        "ttft_p90_ms": spread(ttft * 1000 for ttft in data.get("ttfts") or [] if ttft).p90,
-        "ttft_deciles_ms": deciles(ttft * 1000 for ttft in data.get("ttfts") or [] if ttft),
-        "ttft_first_wave_and_later_ms": first_wave_split(
-            (
-                (start, ttft * 1000)
-                for start, ttft in zip(data.get("start_times") or [], data.get("ttfts") or [], strict=False)
-                if ttft
-            ),
-            level,
-        ),
+        # From its per-request TTFTs, with this project's percentile, as the harness's.
+        "ttft_deciles_ms": deciles(ttft for _start, ttft in started_ttfts),
+        "ttft_first_wave_and_later_ms": first_wave_split(started_ttfts, level),
     }
 
 
@@ -319,7 +314,6 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
                         {
                             "harness_ttft_ms": check["client_ttft_mean_ms"],
                             "harness_ttft_p50_ms": (row.get("ttft_ms") or {}).get("p50"),
-                            "harness_ttft_p90_ms": (row.get("ttft_ms") or {}).get("p90"),
                             "harness_ttft_deciles_ms": row.get("ttft_ms_deciles"),
                             "harness_ttft_first_wave_and_later_ms": row.get("ttft_ms_first_wave_and_later"),
                             "harness_tpot_ms": check["client_tpot_mean_ms"],
@@ -445,29 +439,35 @@ def mean_in_flight(run: dict, side: str, max_tokens: int) -> float | None:
     return tok_s / max_tokens * (ttft + (max_tokens - 1) * tpot) / 1000
 
 
-def in_flight_in_quarter(run: dict, side: str, quarter: int) -> float | None:
-    """Requests at once on average in one quarter of a side's run (from its per-request times)."""
-    quarters = run.get(f"{side}_in_flight_by_quarter") or []
-    return quarters[quarter] if len(quarters) == 4 else None
-
-
-def ttft_of_wave(run: dict, side: str, wave: int) -> float | None:
-    """TTFT mean of every client's first request (wave 0) or of the later ones (1), in one run."""
-    split = run.get(f"{side}_ttft_first_wave_and_later_ms") or []
-    return split[wave] if len(split) == 2 else None
+def listed(run: dict, key: str, index: int, length: int) -> float | None:
+    """One element of a run's list figure (e.g. its in-flight quarters), None where the run has none."""
+    values = run.get(key) or []
+    return values[index] if len(values) == length else None
 
 
 SERVER_VIEW = (  # (header, figure of one run, digits)
     ("harness mean in flight", lambda run, n: mean_in_flight(run, "harness", n), 1),
     ("bench mean in flight", lambda run, n: mean_in_flight(run, "bench", n), 1),
-    ("harness in flight, first quarter", lambda run, n: in_flight_in_quarter(run, "harness", 0), 1),
-    ("bench in flight, first quarter", lambda run, n: in_flight_in_quarter(run, "bench", 0), 1),
-    ("harness in flight, last quarter", lambda run, n: in_flight_in_quarter(run, "harness", 3), 1),
-    ("bench in flight, last quarter", lambda run, n: in_flight_in_quarter(run, "bench", 3), 1),
-    ("harness TTFT mean ms, each client's first request", lambda run, n: ttft_of_wave(run, "harness", 0), 0),
-    ("bench TTFT mean ms, each client's first request", lambda run, n: ttft_of_wave(run, "bench", 0), 0),
-    ("harness TTFT mean ms, later requests", lambda run, n: ttft_of_wave(run, "harness", 1), 0),
-    ("bench TTFT mean ms, later requests", lambda run, n: ttft_of_wave(run, "bench", 1), 0),
+    ("harness in flight, first quarter", lambda run, n: listed(run, "harness_in_flight_by_quarter", 0, 4), 1),
+    ("bench in flight, first quarter", lambda run, n: listed(run, "bench_in_flight_by_quarter", 0, 4), 1),
+    ("harness in flight, last quarter", lambda run, n: listed(run, "harness_in_flight_by_quarter", 3, 4), 1),
+    ("bench in flight, last quarter", lambda run, n: listed(run, "bench_in_flight_by_quarter", 3, 4), 1),
+    (
+        "harness TTFT mean ms, each client's first request",
+        lambda run, n: listed(run, "harness_ttft_first_wave_and_later_ms", 0, 2),
+        0,
+    ),
+    (
+        "bench TTFT mean ms, each client's first request",
+        lambda run, n: listed(run, "bench_ttft_first_wave_and_later_ms", 0, 2),
+        0,
+    ),
+    (
+        "harness TTFT mean ms, later requests",
+        lambda run, n: listed(run, "harness_ttft_first_wave_and_later_ms", 1, 2),
+        0,
+    ),
+    ("bench TTFT mean ms, later requests", lambda run, n: listed(run, "bench_ttft_first_wave_and_later_ms", 1, 2), 0),
     ("vLLM hist TTFT mean ms, harness's requests", lambda run, n: run.get("vllm_hist_ttft_ms"), 1),
     ("vLLM hist TTFT mean ms, bench's", lambda run, n: run.get("bench_vllm_ttft_ms"), 1),
     ("vLLM hist TPOT mean ms, harness's requests", lambda run, n: run.get("vllm_hist_tpot_ms"), 1),
@@ -583,7 +583,10 @@ def main(argv: list[str] | None = None) -> int:
         data = measure_repeats(target, args, model["id"], model.get("root") or model["id"])
         if args.output:
             Path(args.output).write_text(json.dumps(data, indent=2) + "\n")
-        print(json.dumps(data, indent=2) if args.json else repeats_table(data) + "\n\n" + server_view_table(data))
+        tables = [repeats_table(data), server_view_table(data)]
+        if any(run.get("harness_ttft_deciles_ms") for run in data["runs"]):
+            tables.append(ttft_deciles_table(data))
+        print(json.dumps(data, indent=2) if args.json else "\n\n".join(tables))
         return 0
     results = [
         measure_level(target, args, level, model["id"], model.get("root") or model["id"]) for level in args.levels

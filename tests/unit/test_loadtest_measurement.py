@@ -20,7 +20,15 @@ from llmstack.stats import first_wave_split, mean_in_flight_by_part, percentile
 from loadtest import distributed, report, results
 from loadtest.buckets import precise_bucket
 from loadtest.settings import Settings, SettingsError, parse_levels, read_keys
-from loadtest.step_state import StepState, StepWindow, TicketDraw, TicketPool, max_overlap, samples_in_step
+from loadtest.step_state import (
+    StepState,
+    StepWindow,
+    TicketDraw,
+    TicketPool,
+    max_overlap,
+    may_ask_ahead,
+    samples_in_step,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -154,31 +162,55 @@ def test_first_wave_split_takes_every_clients_first_request_by_start():
 
 
 class FakeMaster:
-    """The master's side of the ticket messages, answered at once (loadtest.steps.TicketPool)."""
+    """The master's side of the ticket messages, answered at once (loadtest.steps): its pool holds a
+    step's requests beyond every client's first."""
 
-    def __init__(self, requests: int):
+    def __init__(self, level: int, requests: int):
+        self.level = level
         self.pool = TicketPool()
-        self.step_id = self.pool.open(requests)
+        self.step_id = self.pool.open(requests - level)
         self.asks: list[int] = []
+        self.held: list[tuple[StepState, int]] = []  # asks not yet answered (deliver() answers them)
+        self.answer_at_once = True
 
     def draw(self, state: StepState, users_here: int) -> TicketDraw:
         def ask(count: int) -> None:
             self.asks.append(count)
-            granted = self.pool.take(self.step_id, count)
-            state.grant(self.step_id, granted, self.pool.remaining == 0)
+            if self.answer_at_once:
+                self.answer(state, count)
+            else:
+                self.held.append((state, count))
 
-        return TicketDraw(self.step_id, ask=ask, users_here=lambda: users_here)
+        remaining = self.pool.remaining
+        return TicketDraw(
+            self.step_id,
+            ask=ask,
+            users_here=lambda: users_here,
+            ahead=may_ask_ahead(remaining, self.level),
+            pool_empty=remaining == 0,
+        )
+
+    def answer(self, state: StepState, count: int) -> None:
+        state.grant(self.step_id, self.pool.take(self.step_id, count), self.pool.remaining)
+
+    def deliver(self) -> None:
+        held, self.held = self.held, []
+        for state, count in held:
+            self.answer(state, count)
 
 
-def test_a_distributed_step_draws_on_the_masters_pool_once_its_users_run():
+def test_a_distributed_step_sends_each_users_first_request_then_draws_on_the_masters_pool():
     state = StepState()
-    master = FakeMaster(requests=4)
+    master = FakeMaster(level=2, requests=4)  # 2 users here, 2 requests each
     state.begin(2, None, draw=master.draw(state, users_here=2))
-    assert master.asks == [] and state.try_start() == (False, 2)  # its users are still starting
+    assert state.try_start() == (False, 2)  # its users are still starting
     state.mark_spawned()
-    assert master.asks == [2]  # one request per user here
-    assert [state.try_start()[0] for _ in range(5)] == [True, True, True, True, False]
-    assert sum(master.asks) >= 4 and master.pool.remaining == 0
+    assert master.asks == []  # its users' first requests are its own
+    assert state.try_start("a")[0] and master.asks == []  # each user's first
+    assert state.try_start("b")[0] and master.asks == [1]  # then a chunk ahead once none is left here
+    assert state.try_start("a")[0] and master.asks == [1, 1]
+    assert state.try_start("b")[0]
+    assert state.try_start("a") == (False, 2) and master.pool.remaining == 0
     state.close()
     assert state.try_start() == (False, 2)
     state.finish()  # a worker's test_stop: the web UI's next run may have no steps
@@ -186,31 +218,87 @@ def test_a_distributed_step_draws_on_the_masters_pool_once_its_users_run():
     assert [w.level for w in state.windows] == [2] and state.windows[0].cpu_ended is not None
 
 
+def test_every_user_of_a_distributed_step_sends_its_first_request_at_once():
+    master = FakeMaster(level=8, requests=8)  # the warm-up's one request per client, 8 clients on 3 workers
+    workers = [StepState() for _ in range(3)]
+    for state, users in zip(workers, (3, 3, 2), strict=True):
+        state.begin(8, None, draw=master.draw(state, users_here=users))
+    # However the spawn events interleave, no worker's ask can take another worker's first requests.
+    for state in workers:
+        state.mark_spawned()
+        while state.try_start(object())[0]:
+            pass
+    assert [state.started_requests for state in workers] == [3, 3, 2] and master.asks == []
+
+
 def test_workers_draw_from_one_pool_so_a_fast_worker_sends_what_a_slow_one_does_not():
-    master = FakeMaster(requests=64)  # 16 clients x 4 requests, 8 users on each of two workers
+    master = FakeMaster(level=16, requests=64)  # 16 clients x 4 requests, 8 users on each of two workers
     fast, slow = StepState(), StepState()
     fast.begin(16, None, draw=master.draw(fast, users_here=8))
     slow.begin(16, None, draw=master.draw(slow, users_here=8))
     fast.mark_spawned()
     slow.mark_spawned()
-    assert sum(slow.try_start()[0] for _ in range(8)) == 8  # the slow worker's users each send one
+    slow_users = [object() for _ in range(8)]
+    assert sum(slow.try_start(user)[0] for user in slow_users) == 8  # each slow user's first request
+    fast_user = object()
     sent_by_fast = 0
-    while fast.try_start()[0]:
+    # A waiting user polls again: its wait's ask is answered at once here.
+    while fast.try_start(fast_user)[0] or fast.try_start(fast_user)[0]:
         sent_by_fast += 1
-    # The fast worker sent everything else; the slow one holds at most its chunk ahead.
-    assert sent_by_fast + 8 + (slow.budget - slow.started_requests) == 64
-    assert slow.budget - slow.started_requests <= 2 * slow.draw.chunk
+    # The fast worker sent all the rest but what the slow one had asked for ahead: at most a chunk
+    # (one eighth of its users), and none once the pool fell under a level's worth.
+    held_by_slow = slow.budget - slow.started_requests
+    assert sent_by_fast + 8 + held_by_slow == 64 and held_by_slow <= slow.draw.chunk
     assert master.pool.remaining == 0
 
 
-def test_every_user_of_a_distributed_step_sends_its_first_request_at_once():
-    master = FakeMaster(requests=8)  # the warm-up's one request per client, 8 clients on 3 workers
-    workers = [StepState() for _ in range(3)]
-    for state, users in zip(workers, (3, 3, 2), strict=True):
-        state.begin(8, None, draw=master.draw(state, users_here=users))
-        state.mark_spawned()
-    started = [sum(state.try_start()[0] for _ in range(users)) for state, users in zip(workers, (3, 3, 2), strict=True)]
-    assert started == [3, 3, 2] and master.pool.remaining == 0
+def test_near_a_steps_end_a_worker_asks_only_for_the_users_that_wait():
+    master = FakeMaster(level=12, requests=14)  # a pool of 2: under a quarter-level from the start
+    state = StepState()
+    state.begin(12, None, draw=master.draw(state, users_here=12))
+    state.mark_spawned()
+    users = [object() for _ in range(12)]
+    assert all(state.try_start(user)[0] for user in users) and master.asks == []  # nothing asked ahead
+    master.answer_at_once = False
+    assert state.try_start(users[0]) == (False, 12)  # one user waits: one request asked for
+    assert state.try_start(users[1]) == (False, 12)  # a second waits while the ask is out
+    assert master.asks == [1]
+    master.deliver()  # the grant comes, and with it the ask for the second waiting user
+    assert master.asks == [1, 1]
+    master.deliver()
+    assert state.try_start(users[0])[0] and state.try_start(users[1])[0] and master.pool.remaining == 0
+    assert may_ask_ahead(3, 12) and not may_ask_ahead(2, 12)
+
+
+def test_a_lost_answer_is_asked_again_and_a_failed_send_is_not_counted_as_asked(monkeypatch):
+    from loadtest import step_state
+
+    master = FakeMaster(level=2, requests=8)
+    master.answer_at_once = False
+    state = StepState()
+    state.begin(2, None, draw=master.draw(state, users_here=2))
+    state.mark_spawned()
+    state.try_start("a")
+    state.try_start("b")
+    assert master.asks == [1]  # a chunk ahead (pool of 6 >= a level's worth)
+    master.held.clear()  # that answer never comes
+    state.try_start("b")
+    assert master.asks == [1]  # one ask at a time
+    later = step_state.time.monotonic() + step_state.ASK_RETRY_S + 0.1
+    monkeypatch.setattr(step_state.time, "monotonic", lambda: later)
+    state.try_start("a")
+    assert master.asks == [1, 1]  # asked again after ASK_RETRY_S
+
+    def broken(count: int) -> None:
+        raise OSError("master gone")
+
+    other = StepState()
+    other.begin(2, None, draw=TicketDraw(master.step_id, ask=broken, users_here=lambda: 2))
+    other.mark_spawned()
+    assert other.try_start("a")[0]
+    with pytest.raises(OSError):
+        other.try_start("b")  # the last request here is gone: the chunk ahead is asked for
+    assert other.draw is not None and other.draw.asked_at is None
 
 
 def test_a_grant_for_an_ended_step_is_ignored_and_the_pool_refuses_old_steps():
@@ -219,15 +307,17 @@ def test_a_grant_for_an_ended_step_is_ignored_and_the_pool_refuses_old_steps():
     new = pool.open(5)
     assert pool.take(old, 3) == 0 and pool.take(new, 3) == 3 and pool.take(new, 3) == 2
     state = StepState()
-    state.begin(4, None, draw=TicketDraw(new, ask=lambda count: None, users_here=lambda: 4))
+    state.begin(4, None, draw=TicketDraw(new, ask=lambda count: None, users_here=lambda: 4, ahead=False))
     state.mark_spawned()
-    state.grant(old, 7, False)
-    assert state.budget == 0
-    idle = StepState()  # a worker none of whose users are in this step asks for nothing
+    assert state.budget == 4  # its users' first requests
+    state.grant(old, 7, 0)
+    assert state.budget == 4
+    idle = StepState()  # a worker none of whose users are in this step takes and asks nothing
     idle.begin(4, None, draw=TicketDraw(new, ask=lambda count: pytest.fail("asked"), users_here=lambda: 0))
     idle.mark_spawned()
-    state.grant(new, 2, True)
-    assert [state.try_start()[0] for _ in range(3)] == [True, True, False]
+    assert idle.budget == 0
+    state.grant(new, 2, 0)
+    assert [state.try_start(object())[0] for _ in range(7)] == [True] * 6 + [False]
     pool.close()
     assert pool.take(new, 1) == 0
 
