@@ -87,6 +87,7 @@ def concurrency_row(
     }
     if ok:
         begin, end, tokens = span(ok)
+        first_tokens = [(r.started, r.ttft) for r in ok if r.ttft is not None]  # (start, TTFT in s)
         row.update(
             {
                 "output_tokens": tokens,
@@ -98,11 +99,11 @@ def concurrency_row(
                 "mean_in_flight": mean_in_flight(ok, end - begin),
                 "mean_in_flight_by_quarter": mean_in_flight_by_part([(r.started, r.started + r.e2e) for r in ok]),
                 "avg_tps_per_request": statistics.fmean(r.tokens_per_second or 0.0 for r in ok),
-                "ttft_ms": spread_ms([r.ttft for r in ok if r.ttft is not None]),
-                "ttft_ms_deciles": deciles(r.ttft * 1000 for r in ok if r.ttft is not None),
+                "ttft_ms": spread_ms([ttft for _start, ttft in first_tokens]),
+                "ttft_ms_deciles": deciles(ttft * 1000 for _start, ttft in first_tokens),
                 # Every client's first request, sent together when the step opens, against the rest.
                 "ttft_ms_first_wave_and_later": first_wave_split(
-                    ((r.started, r.ttft * 1000) for r in ok if r.ttft is not None), level
+                    [(start, ttft * 1000) for start, ttft in first_tokens], level
                 ),
                 "tpot_ms": spread_ms([r.tpot for r in ok if r.tpot is not None]),
                 "e2e_ms": spread_ms([r.e2e for r in ok]),

@@ -47,8 +47,7 @@ class TicketDraw:
     step_id: int
     ask: Callable[[int], None]  # asks the master for n more requests of this step
     users_here: Callable[[], int]  # this process's users (Locust's count), once they all run
-    ahead: bool = True  # may_ask_ahead, as of the master's last word
-    pool_empty: bool = False
+    pool_left: int  # requests left in the master's pool, as of its last word
     chunk: int = 1  # an eighth of the users here
     first_wave_taken: bool = False
     asked_at: float | None = None  # when the outstanding ask went out
@@ -127,13 +126,14 @@ class StepState:
 
     def _next_ask(self) -> int:
         draw = self.draw
-        if draw is None or not draw.first_wave_taken or draw.pool_empty or self.budget is None:
+        if draw is None or not draw.first_wave_taken or draw.pool_left <= 0 or self.budget is None:
             return 0
         if draw.asked_at is not None and time.monotonic() - draw.asked_at < ASK_RETRY_S:
             return 0  # one ask at a time
         available = self.budget - self.started_requests
         # Ahead: topped up to a chunk, never more held here. Near the end: only for users that wait.
-        wanted = (draw.chunk if draw.ahead else len(draw.waiting)) - available
+        ahead = may_ask_ahead(draw.pool_left, self.level or 0)
+        wanted = (draw.chunk if ahead else len(draw.waiting)) - available
         if wanted <= 0:
             return 0
         draw.asked_at = time.monotonic()
@@ -157,9 +157,7 @@ class StepState:
             if draw is None or draw.step_id != step_id or self.budget is None:
                 return  # an answer for a step that has ended here
             self.budget += count
-            draw.asked_at = None
-            draw.pool_empty = remaining <= 0
-            draw.ahead = may_ask_ahead(remaining, self.level or 0)
+            draw.asked_at, draw.pool_left = None, remaining
             wanted = self._next_ask()
         self._send_ask(wanted)
 

@@ -19,7 +19,7 @@ from locust import LoadTestShape, events
 
 from loadtest.metrics import E2E
 from loadtest.settings import DEFAULT_LEVELS, SettingsError, parse_levels
-from loadtest.step_state import STEP_STATE, TicketDraw, TicketPool, may_ask_ahead
+from loadtest.step_state import STEP_STATE, TicketDraw, TicketPool
 
 STEP_MESSAGE = "loadtest_step"
 TICKETS_ASK = "loadtest_tickets_ask"  # worker to master: {step_id, count}
@@ -61,8 +61,7 @@ def on_step_message(environment, msg, **_kwargs) -> None:
         step_id,
         ask=lambda count: runner.send_message(TICKETS_ASK, {"step_id": step_id, "count": count}),
         users_here=lambda: runner.user_count,
-        ahead=may_ask_ahead(pool, level),
-        pool_empty=pool <= 0,
+        pool_left=pool,
     )
     STEP_STATE.begin(level, None, draw=draw)
 

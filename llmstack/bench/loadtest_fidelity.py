@@ -216,9 +216,8 @@ def bench_serve(
         ]
     )
     after = snapshot(target.stack)
-    # (start, TTFT in ms) of each successful request, from the detailed result.
-    starts, ttfts = data.get("start_times") or [], data.get("ttfts") or []
-    started_ttfts = [(start, ttft * 1000) for start, ttft in zip(starts, ttfts, strict=False) if ttft]
+    requests = bench_requests(data)
+    started_ttfts = [(start, ttft * 1000) for start, ttft, _end in requests]
     return {
         "ttft_ms": data["mean_ttft_ms"],
         "ttft_p50_ms": data.get("median_ttft_ms"),
@@ -234,16 +233,21 @@ def bench_serve(
     }
 
 
-def bench_intervals(data: dict) -> list[tuple[float, float]]:
-    """(start, end) of each of `vllm bench serve`'s successful requests, from its detailed result:
-    start, first token, then every inter-token latency."""
+def bench_requests(data: dict) -> list[tuple[float, float, float]]:
+    """(start, TTFT, end) in seconds of each of `vllm bench serve`'s successful requests, from its
+    detailed result: start, first token, then every inter-token latency."""
     starts, ttfts, itls = (data.get(key) or [] for key in ("start_times", "ttfts", "itls"))
     errors = data.get("errors") or [""] * len(starts)
     return [
-        (start, start + ttft + sum(gaps))
+        (start, ttft, start + ttft + sum(gaps))
         for start, ttft, gaps, error in zip(starts, ttfts, itls, errors, strict=False)
         if not error and ttft
     ]
+
+
+def bench_intervals(data: dict) -> list[tuple[float, float]]:
+    """(start, end) of each of `vllm bench serve`'s successful requests."""
+    return [(start, end) for start, _ttft, end in bench_requests(data)]
 
 
 def diff_pct(value: float | None, reference: float | None) -> float | None:

@@ -186,8 +186,7 @@ class FakeMaster:
             self.step_id,
             ask=ask,
             users_here=lambda: users_here,
-            ahead=may_ask_ahead(remaining, self.level),
-            pool_empty=remaining == 0,
+            pool_left=remaining,
         )
 
     def answer(self, state: StepState, count: int) -> None:
@@ -293,7 +292,7 @@ def test_a_lost_answer_is_asked_again_and_a_failed_send_is_not_counted_as_asked(
         raise OSError("master gone")
 
     other = StepState()
-    other.begin(2, None, draw=TicketDraw(master.step_id, ask=broken, users_here=lambda: 2))
+    other.begin(2, None, draw=TicketDraw(master.step_id, ask=broken, users_here=lambda: 2, pool_left=6))
     other.mark_spawned()
     assert other.try_start("a")[0]
     with pytest.raises(OSError):
@@ -307,13 +306,13 @@ def test_a_grant_for_an_ended_step_is_ignored_and_the_pool_refuses_old_steps():
     new = pool.open(5)
     assert pool.take(old, 3) == 0 and pool.take(new, 3) == 3 and pool.take(new, 3) == 2
     state = StepState()
-    state.begin(4, None, draw=TicketDraw(new, ask=lambda count: None, users_here=lambda: 4, ahead=False))
+    state.begin(4, None, draw=TicketDraw(new, ask=lambda count: None, users_here=lambda: 4, pool_left=0))
     state.mark_spawned()
     assert state.budget == 4  # its users' first requests
     state.grant(old, 7, 0)
     assert state.budget == 4
     idle = StepState()  # a worker none of whose users are in this step takes and asks nothing
-    idle.begin(4, None, draw=TicketDraw(new, ask=lambda count: pytest.fail("asked"), users_here=lambda: 0))
+    idle.begin(4, None, draw=TicketDraw(new, ask=lambda count: pytest.fail("asked"), users_here=lambda: 0, pool_left=5))
     idle.mark_spawned()
     assert idle.budget == 0
     state.grant(new, 2, 0)
