@@ -168,12 +168,18 @@ def save_chart(plt: Any, fig: Any, path: Path) -> None:
     plt.close(fig)
 
 
-def parse_levels(text: str) -> list[int]:
-    """--levels: comma-separated positive integers (concurrent clients)."""
+def parse_levels(text: str, what: str = "--levels") -> list[int]:
+    """Concurrency levels (concurrent clients): comma-separated positive integers, each once, since
+    each level is one step of a run and one row of its table. `what` names the setting in errors."""
     try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
+        levels = [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
-        raise UsageError(f"--levels must be comma-separated integers, not {text!r}") from None
+        raise UsageError(f"{what} must be comma-separated integers, not {text!r}") from None
     if not levels or min(levels) < 1:
-        raise UsageError("--levels must be positive integers")
+        raise UsageError(f"{what} must be positive integers, not {text!r}")
+    repeated = sorted({level for level in levels if levels.count(level) > 1})
+    if repeated:
+        raise UsageError(
+            f"{what} gives {', '.join(map(str, repeated))} more than once: each level is one step and one row"
+        )
     return levels

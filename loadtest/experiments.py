@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     # before anything opens a connection.
     from loadtest.settings import parse_levels
 
-    return run(args, parse_levels(args.levels))
+    return run(args, parse_levels(args.levels, "--levels"))
 
 
 def run(args: argparse.Namespace, levels: list[int]) -> int:

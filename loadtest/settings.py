@@ -8,6 +8,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmstack import cli
 from llmstack.cli import UsageError
 
 LAB_PROMPT = "Please describe the inference process of large language models in three sentences"
@@ -18,14 +19,12 @@ class SettingsError(UsageError):
     """A setting the user gave is unusable; the message says which (exit code 2)."""
 
 
-def parse_levels(text: str) -> list[int]:
+def parse_levels(text: str, what: str = "concurrency levels") -> list[int]:
+    """llmstack.cli.parse_levels, failing with a SettingsError (a setting of the load test)."""
     try:
-        levels = [int(part) for part in text.replace(" ", "").split(",") if part]
-    except ValueError:
-        raise SettingsError(f"concurrency levels must be comma-separated integers, got {text!r}") from None
-    if not levels or any(level < 1 for level in levels):
-        raise SettingsError(f"concurrency levels must be positive integers, got {text!r}")
-    return levels
+        return cli.parse_levels(text, what)
+    except UsageError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def parse_rates(text: str) -> list[float]:

@@ -193,7 +193,9 @@ class StepLoadShape(SteppedShape):
     ):
         super().__init__()
         env = os.environ
-        levels = levels or parse_levels(env.get("LOADTEST_STEPS") or ",".join(map(str, DEFAULT_LEVELS)))
+        levels = levels or parse_levels(
+            env.get("LOADTEST_STEPS") or ",".join(map(str, DEFAULT_LEVELS)), "LOADTEST_STEPS"
+        )
         if step_seconds is None and requests_per_user is None:
             if env.get("LOADTEST_STEP_REQUESTS_PER_USER"):
                 requests_per_user = int(env["LOADTEST_STEP_REQUESTS_PER_USER"])

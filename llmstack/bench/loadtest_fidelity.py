@@ -44,7 +44,7 @@ from pathlib import Path
 
 from llmstack import REPO_ROOT
 from llmstack.bench.gateway_report import md_table, median_range, median_range_of
-from llmstack.cli import StackError, UsageError, add_json_argument, main_exit, parser_from_doc, progress
+from llmstack.cli import StackError, UsageError, add_json_argument, main_exit, parse_levels, parser_from_doc, progress
 from llmstack.promtext import Snapshot
 from llmstack.stats import deciles, difference, first_wave_split, mean_in_flight_by_part, spread
 from llmstack.vllm import VLLM_PORT, ComposeStack, HostVllm, add_stack_arguments, served_model, stack_from_args
@@ -566,12 +566,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_json_argument(parser)
     add_stack_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        args.levels = [int(x) for x in args.levels.split(",") if x]
-    except ValueError:
-        raise UsageError(f"--levels must be comma-separated integers, got {args.levels!r}") from None
-    if not args.levels or min(args.levels) < 1 or args.requests_per_client < 1 or args.max_tokens < 2:
-        raise UsageError("levels and --requests-per-client must be positive, --max-tokens at least 2")
+    args.levels = parse_levels(args.levels)
+    if args.requests_per_client < 1 or args.max_tokens < 2:
+        raise UsageError("--requests-per-client must be positive, --max-tokens at least 2")
     if args.repeats < 1 or args.min_requests < 1:
         raise UsageError("--repeats and --min-requests must be at least 1")
     if args.repeats > 1 and args.no_bench:

@@ -104,6 +104,7 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
         ),
         ("benchmarks/gateway_vs_direct.py", ["--render", "/nonexistent.json"], "--render takes"),
         ("benchmarks/loadtest_fidelity.py", ["--levels", "1,x"], "comma-separated integers"),
+        ("benchmarks/loadtest_fidelity.py", ["--levels", "8,16,8"], "8 more than once"),
         ("benchmarks/loadtest_fidelity.py", ["--max-tokens", "1"], "at least 2"),
         ("benchmarks/loadtest_fidelity.py", ["--bogus"], "unrecognized arguments"),
         ("benchmarks/loadtest_fidelity.py", ["--vllm-url", "http://127.0.0.1:9"], "--vllm-url needs --vllm-log"),

@@ -113,6 +113,9 @@ def test_levels_and_keys(tmp_path):
         parse_levels("1,x")
     with pytest.raises(SettingsError):
         parse_levels("0")
+    # Each level is one step and one row of the table, so a level given twice is refused.
+    with pytest.raises(SettingsError, match="8 more than once"):
+        parse_levels("8,16,8")
     keys = tmp_path / "keys"
     keys.write_text("# comment\nsk-a\n\nsk-b\n")
     assert read_keys(str(keys)) == ["sk-a", "sk-b"]
