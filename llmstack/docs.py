@@ -78,15 +78,22 @@ def h200_short(summary: dict) -> str:
     rows = [
         [
             str(r["concurrency"]),
-            f"{r['direct']['throughput_tok_s']:,.0f}",
-            f"{r['gateway']['throughput_tok_s']:,.0f}",
+            throughput_with_runs(r["direct"]),
+            throughput_with_runs(r["gateway"]),
             p50_pair(r, "ttft_ms"),
             three_figures((r["direct"]["tpot_ms"] or {}).get("p50")),
         ]
         for r in summary["concurrency"]
     ]
     return md_table(
-        ["Clients", "Direct tok/s", "Through gateway", "TTFT p50 direct / gateway (ms)", "TPOT p50 (ms)"], rows
+        [
+            "Clients",
+            "Direct tok/s (two runs' range)",
+            "Through gateway (two runs' range)",
+            "TTFT p50 direct / gateway (ms)",
+            "TPOT p50 (ms)",
+        ],
+        rows,
     )
 
 
