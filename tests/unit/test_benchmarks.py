@@ -418,7 +418,9 @@ def test_a_stale_generated_table_is_found(tmp_path):
     assert "docs/loadtest.md: goodput-h100-sweeps" in docs.stale_blocks(tmp_path)
     assert "docs/loadtest.md: goodput-h100" not in docs.stale_blocks(tmp_path)
     # The README's table is the generated one: its first row is the summary's first level.
-    assert "| 1 | 999 | 369 | 18.2 / 18.6 | 2.42 |" in docs.regenerate((tmp_path / "README.md").read_text(), tmp_path)
+    assert "| 1 | 999 (348–361) | 369 (345–392) | 18.2 / 18.6 | 2.42 |" in docs.regenerate(
+        (tmp_path / "README.md").read_text(), tmp_path
+    )
 
 
 def test_soak_checks_judge_every_container_but_prometheus():
