@@ -217,15 +217,20 @@ for _stem in (
     _source = f"docs/loadtest/{_stem}.json"
     GENERATORS[_stem] = Generator(_source, loadtest_fidelity.repeats_table)  # type: ignore[arg-type]
     GENERATORS[f"{_stem}-server"] = Generator(_source, loadtest_fidelity.server_view_table)  # type: ignore[arg-type]
-# One lease's ladder, run as two commands (1-64 and 256-512 clients): one table.
-_source = "docs/loadtest/fidelity-h100-pooled"
-GENERATORS["fidelity-h100-pooled"] = Generator(
-    _source,
-    lambda parts: loadtest_fidelity.repeats_table(loadtest_fidelity.merge_results(parts)),  # type: ignore[arg-type]
-)
-GENERATORS["fidelity-h100-pooled-server"] = Generator(
-    _source,
-    lambda parts: loadtest_fidelity.server_view_table(loadtest_fidelity.merge_results(parts)),  # type: ignore[arg-type]
+# One lease's ladder, run as several commands (a level or a few each): one table.
+for _folder in ("fidelity-h100-pooled", "fidelity-h100-first-wave"):
+    _source = f"docs/loadtest/{_folder}"
+    GENERATORS[_folder] = Generator(
+        _source,
+        lambda parts: loadtest_fidelity.repeats_table(loadtest_fidelity.merge_results(parts)),  # type: ignore[arg-type]
+    )
+    GENERATORS[f"{_folder}-server"] = Generator(
+        _source,
+        lambda parts: loadtest_fidelity.server_view_table(loadtest_fidelity.merge_results(parts)),  # type: ignore[arg-type]
+    )
+GENERATORS["fidelity-h100-first-wave-deciles"] = Generator(
+    "docs/loadtest/fidelity-h100-first-wave",
+    lambda parts: loadtest_fidelity.ttft_deciles_table(loadtest_fidelity.merge_results(parts)),  # type: ignore[arg-type]
 )
 
 # The README's sample of the headless experiments (docs/loadtest/experiments-cpu/run-N.json).
