@@ -217,20 +217,21 @@ for _stem in (
     _source = f"docs/loadtest/{_stem}.json"
     GENERATORS[_stem] = Generator(_source, loadtest_fidelity.repeats_table)  # type: ignore[arg-type]
     GENERATORS[f"{_stem}-server"] = Generator(_source, loadtest_fidelity.server_view_table)  # type: ignore[arg-type]
+
+
 # One lease's ladder, run as several commands (a level or a few each): one table.
+def merged(table: Callable[[dict], str]) -> Callable[[object], str]:
+    """A fidelity table of a folder's results read as one (loadtest_fidelity.merge_results)."""
+    return lambda parts: table(loadtest_fidelity.merge_results(parts))  # type: ignore[arg-type]
+
+
 for _folder in ("fidelity-h100-pooled", "fidelity-h100-first-wave"):
     _source = f"docs/loadtest/{_folder}"
-    GENERATORS[_folder] = Generator(
-        _source,
-        lambda parts: loadtest_fidelity.repeats_table(loadtest_fidelity.merge_results(parts)),  # type: ignore[arg-type]
-    )
-    GENERATORS[f"{_folder}-server"] = Generator(
-        _source,
-        lambda parts: loadtest_fidelity.server_view_table(loadtest_fidelity.merge_results(parts)),  # type: ignore[arg-type]
-    )
+    GENERATORS[_folder] = Generator(_source, merged(loadtest_fidelity.repeats_table))
+    GENERATORS[f"{_folder}-server"] = Generator(_source, merged(loadtest_fidelity.server_view_table))
+# The first results with TTFT deciles.
 GENERATORS["fidelity-h100-first-wave-deciles"] = Generator(
-    "docs/loadtest/fidelity-h100-first-wave",
-    lambda parts: loadtest_fidelity.ttft_deciles_table(loadtest_fidelity.merge_results(parts)),  # type: ignore[arg-type]
+    "docs/loadtest/fidelity-h100-first-wave", merged(loadtest_fidelity.ttft_deciles_table)
 )
 
 # The README's sample of the headless experiments (docs/loadtest/experiments-cpu/run-N.json).

@@ -226,7 +226,7 @@ def bench_serve(
         "vllm_tpot_ms": mean_ms(before, after, TPOT_HISTOGRAM),
         "throughput_tok_s": data.get("output_throughput"),
         "completed": data.get("completed"),
-        "in_flight_by_quarter": mean_in_flight_by_part(bench_intervals(data)),
+        "in_flight_by_quarter": mean_in_flight_by_part(bench_intervals(requests)),
         # From its per-request TTFTs, with this project's percentile, as the harness's.
         "ttft_deciles_ms": deciles(ttft for _start, ttft in started_ttfts),
         "ttft_first_wave_and_later_ms": first_wave_split(started_ttfts, level),
@@ -245,9 +245,9 @@ def bench_requests(data: dict) -> list[tuple[float, float, float]]:
     ]
 
 
-def bench_intervals(data: dict) -> list[tuple[float, float]]:
-    """(start, end) of each of `vllm bench serve`'s successful requests."""
-    return [(start, end) for start, _ttft, end in bench_requests(data)]
+def bench_intervals(requests: list[tuple[float, float, float]]) -> list[tuple[float, float]]:
+    """(start, end) of each request of bench_requests."""
+    return [(start, end) for start, _ttft, end in requests]
 
 
 def diff_pct(value: float | None, reference: float | None) -> float | None:

@@ -525,8 +525,8 @@ def test_fidelity_reads_bench_serves_requests_from_its_detailed_result():
         "itls": [[0.25, 0.5], [0.5], []],
         "errors": ["", "", "timeout"],
     }
-    assert loadtest_fidelity.bench_intervals(detailed) == [(10.0, 11.0), (10.0, 11.0)]
-    assert loadtest_fidelity.bench_intervals({}) == []
+    assert loadtest_fidelity.bench_intervals(loadtest_fidelity.bench_requests(detailed)) == [(10.0, 11.0), (10.0, 11.0)]
+    assert loadtest_fidelity.bench_intervals(loadtest_fidelity.bench_requests({})) == []
 
 
 def test_fidelity_reads_the_kernels_tcp_counters_and_merges_results(tmp_path):
