@@ -11,6 +11,8 @@ import random
 import threading
 
 import gevent
+import requests
+import urllib3
 from locust import HttpUser, constant, task
 
 from llmstack.sse import CHAT_COMPLETIONS, COMPLETIONS, RequestRecord, build_body, send
@@ -79,6 +81,26 @@ class OpenAIUser(HttpUser):
         self.headers = {"Authorization": f"Bearer {config.next_key()}"}
         if not config.model:
             self.discover_model(config)
+        self.open_connection()
+
+    def open_connection(self) -> None:
+        """Opens this user's keep-alive connection now, before its first request, as a client in
+        service holds one: a step that opens with hundreds of users then times their requests on
+        open connections, as it times every later one, not hundreds of TCP handshakes at once (at
+        512 clients those doubled the first requests' TTFT: docs/loadtest.md). Requests has no
+        public call that only connects, hence urllib3's pool; a failure here is left to the first
+        request, which counts it."""
+        # The pool a request to this host would take: same proxies, verification and certificate.
+        options = self.client.merge_environment_settings(self.host, {}, None, None, None)
+        pool = self.client.get_adapter(self.host).get_connection_with_tls_context(
+            requests.Request("GET", self.host).prepare(), options["verify"], options["proxies"], options["cert"]
+        )
+        connection = pool._get_conn()
+        try:
+            connection.connect()
+        except (OSError, urllib3.exceptions.HTTPError):
+            connection.close()
+        pool._put_conn(connection)
 
     def discover_model(self, config: Settings) -> None:
         with _model_lock:

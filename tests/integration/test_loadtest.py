@@ -182,6 +182,46 @@ def test_wrong_api_key_reports_failures(stack):
     assert "requests failed" in wrong.stderr
 
 
+# Run in the Locust image: one user of the harness against the stack's gateway, and the process's
+# TCP connections to it (psutil, a Locust requirement) at the user's start and after two requests.
+CONNECTION_PROBE = """
+from locust.env import Environment  # first: Locust patches the socket module for gevent
+import json, psutil, requests
+from loadtest.users import StreamingCompletionUser, settings
+
+config = settings()
+with requests.Session() as discovery:  # the model (this connection may stay open: see `before`)
+    reply = discovery.get(config.host + "/v1/models", headers={"Authorization": "Bearer " + config.api_keys[0]})
+    config.model = reply.json()["data"][0]["id"]
+
+def to_gateway():  # local ports of this process's connections to the gateway
+    return sorted(c.laddr.port for c in psutil.Process().net_connections("tcp")
+                  if c.raddr and c.raddr.port == 8080 and c.status == psutil.CONN_ESTABLISHED)
+
+before = set(to_gateway())  # the discovery's, if still open
+user = StreamingCompletionUser(Environment(user_classes=[StreamingCompletionUser]))
+user.on_start()
+at_start = sorted(set(to_gateway()) - before)
+records = [user.run_request("/v1/completions", user.body("/v1/completions", True), "stream") for _ in range(2)]
+after = sorted(set(to_gateway()) - before)
+print(json.dumps({"at_start": at_start, "after": after, "errors": [r.error for r in records]}))
+"""
+
+
+def test_each_user_opens_its_connection_at_start_and_its_requests_reuse_it(stack):
+    """A step that opens with hundreds of users must time their requests, not hundreds of TCP
+    handshakes at once: at 512 clients on an H100 the first requests waited 2-3x as long as
+    `vllm bench serve`'s until each user opened its connection at start (docs/loadtest.md)."""
+    probe = stack.compose_command(
+        "run", "--rm", "-T", "locust-master", "python", "-c", CONNECTION_PROBE, check=False, timeout=300
+    )
+    assert probe.returncode == 0, probe.stdout[-2000:] + probe.stderr[-3000:]
+    seen = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert seen["errors"] == [None, None]
+    assert len(seen["at_start"]) == 1, seen  # opened before any request
+    assert seen["after"] == seen["at_start"], seen  # and both requests went over it
+
+
 def test_web_ui_only_through_nginx_with_login(stack):
     assert requests.get(stack.url("/locust/"), timeout=10).status_code == 401
     assert requests.get(stack.url("/locust/"), auth=("admin", "wrong"), timeout=10).status_code == 401
