@@ -135,14 +135,18 @@ def h200_summary(summary: dict) -> str:
 class Generator:
     source: str  # a JSON file, or a folder whose *.json files are read, in name order, as a list
     render: Callable[[object], str]
+    # A folder's files as {file name: result} instead, where the name says what the result alone
+    # does not (e.g. which version of the harness made it).
+    by_name: bool = False
 
 
-def read_source(path: Path) -> object:
+def read_source(path: Path, by_name: bool = False) -> object:
     if path.is_dir():
         files = sorted(path.glob("*.json"))
         if not files:
             raise StackError(f"{path} holds no result file (*.json)")
-        return [json.loads(file.read_text()) for file in files]
+        results = {file.name: json.loads(file.read_text()) for file in files}
+        return results if by_name else list(results.values())
     return json.loads(path.read_text())
 
 
@@ -234,6 +238,34 @@ GENERATORS["fidelity-h100-first-wave-deciles"] = Generator(
     "docs/loadtest/fidelity-h100-first-wave", merged(loadtest_fidelity.ttft_deciles_table)
 )
 
+# At 512 clients, the harness before and after each user opened its connection at start (the file
+# names say which), interleaved; and the ladder with it, the two 512-client commands pooled.
+CONNECTIONS = "docs/loadtest/fidelity-h100-connections"
+WITH_FIRST_REQUEST = "opened-with-first-request"
+
+
+def connections_ab(results: dict[str, dict]) -> str:
+    return loadtest_fidelity.connections_table(
+        [(name, data) for name, data in results.items() if "level-512" in name], WITH_FIRST_REQUEST
+    )
+
+
+def opened_at_start(table: Callable[[dict], str]) -> Callable[[object], str]:
+    def render(results: dict[str, dict]) -> str:
+        kept = [data for name, data in results.items() if WITH_FIRST_REQUEST not in name]
+        return table(loadtest_fidelity.merge_results(kept, pool_levels=True))
+
+    return render  # type: ignore[return-value]
+
+
+GENERATORS["fidelity-h100-connections-ab"] = Generator(CONNECTIONS, connections_ab, by_name=True)  # type: ignore[arg-type]
+for _suffix, _table in (
+    ("", loadtest_fidelity.repeats_table),
+    ("-server", loadtest_fidelity.server_view_table),
+    ("-deciles", loadtest_fidelity.ttft_deciles_table),
+):
+    GENERATORS[f"fidelity-h100-connections{_suffix}"] = Generator(CONNECTIONS, opened_at_start(_table), by_name=True)
+
 # The README's sample of the headless experiments (docs/loadtest/experiments-cpu/run-N.json).
 GENERATORS["experiments-cpu"] = Generator("docs/loadtest/experiments-cpu", experiments_sample)  # type: ignore[arg-type]
 GENERATORS["goodput-h100"] = Generator("docs/loadtest/goodput-h100.json", goodput_report)  # type: ignore[arg-type]
@@ -254,7 +286,7 @@ def regenerate(text: str, root: Path = REPO_ROOT) -> str:
             raise StackError(f"unknown generated block {name!r} (known: {', '.join(GENERATORS)})")
         if source != generator.source:
             raise StackError(f"block {name} names {source}, but it is made from {generator.source}")
-        data = read_source(root / source)
+        data = read_source(root / source, generator.by_name)
         return match["head"] + generator.render(data) + "\n" + match["tail"]
 
     return BLOCK.sub(replace, text)

@@ -382,23 +382,71 @@ def summarize_level(level: int, runs: list[dict]) -> dict:
     return summary
 
 
-def merge_results(parts: list[dict]) -> dict:
+def merge_results(parts: list[dict], pool_levels: bool = False) -> dict:
     """Several --repeats results of one server (e.g. its low and high levels, run one after the
-    other) as one: their levels and runs by level, the first one's environment."""
+    other) as one: their levels and runs by level, the first one's environment. With pool_levels,
+    a level run by more than one command counts all their repeats (summarized again); otherwise
+    that is an error."""
     if not parts:
         raise ValueError("no results to merge")
     for setting in ("max_tokens", "requests_per_client", "repeats"):
         if len({part["settings"][setting] for part in parts}) > 1:
             raise ValueError(f"the results differ in {setting}: their levels are not comparable")
     levels = sorted(level for part in parts for level in part["settings"]["levels"])
+    runs = sorted((run for part in parts for run in part["runs"]), key=lambda run: run["concurrency"])
+    summaries = sorted((level for part in parts for level in part["levels"]), key=lambda level: level["concurrency"])
     if len(set(levels)) < len(levels):
-        raise ValueError("a level appears in more than one result")
+        if not pool_levels:
+            raise ValueError("a level appears in more than one result")
+        levels = sorted(set(levels))
+        repeated = {level for level in levels if sum(entry["concurrency"] == level for entry in summaries) > 1}
+        summaries = [entry for entry in summaries if entry["concurrency"] not in repeated]
+        summaries += [
+            summarize_level(level, [run for run in runs if run["concurrency"] == level]) for level in repeated
+        ]
+        summaries.sort(key=lambda level: level["concurrency"])
     return {
         "environment": parts[0]["environment"],
         "settings": {**parts[0]["settings"], "levels": levels},
-        "runs": sorted((run for part in parts for run in part["runs"]), key=lambda run: run["concurrency"]),
-        "levels": sorted((level for part in parts for level in part["levels"]), key=lambda level: level["concurrency"]),
+        "runs": runs,
+        "levels": summaries,
     }
+
+
+CONNECTION_VIEW = (  # SERVER_VIEW's columns that show where a client's first request waits
+    "harness TTFT mean ms, each client's first request",
+    "bench TTFT mean ms, each client's first request",
+    "harness TTFT mean ms, later requests",
+    "bench TTFT mean ms, later requests",
+    "vLLM hist TTFT mean ms, harness's requests",
+    "vLLM hist TTFT mean ms, bench's",
+)
+
+
+def connections_table(named: list[tuple[str, dict]], with_first_request: str) -> str:
+    """One row per result of one level, in run order: which harness ran (a file name holding
+    `with_first_request` opened each user's connection with its first request; the others at the
+    user's start), then median (min-max) over its repeats."""
+    columns = [column for column in SERVER_VIEW if column[0] in CONNECTION_VIEW]
+    rows = []
+    for order, (name, data) in enumerate(named, 1):
+        max_tokens, entry = data["settings"]["max_tokens"], data["levels"][0]
+        row = [str(order), "with its first request" if with_first_request in name else "at the user's start"]
+        for _, figure, digits in columns:
+            row.append(
+                median_range_of([v for run in data["runs"] if (v := figure(run, max_tokens)) is not None], digits)
+            )
+        for key, digits in (
+            ("harness_ttft_p50_ms", 0),
+            ("bench_ttft_p50_ms", 0),
+            ("harness_throughput_tok_s", 0),
+            ("bench_throughput_tok_s", 0),
+        ):
+            row.append(median_range(entry.get(key) or {}, digits))
+        rows.append(row)
+    headers = ["Run", "harness opens each user's connection", *(column[0] for column in columns)]
+    headers += ["harness TTFT p50 ms", "bench TTFT p50 ms", "harness output tok/s", "bench output tok/s"]
+    return md_table(headers, rows)
 
 
 def repeats_table(data: dict) -> str:

@@ -564,6 +564,42 @@ def test_fidelity_reads_the_kernels_tcp_counters_and_merges_results(tmp_path):
             loadtest_fidelity.merge_results(parts)
 
 
+def test_fidelity_results_of_one_level_pool_their_repeats_and_the_connections_table_keeps_run_order():
+    from llmstack.bench import loadtest_fidelity
+
+    def result(level: int, ttfts: list[float], first_wave: list[float]) -> dict:
+        runs = [
+            {
+                "concurrency": level,
+                "harness_ttft_ms": ttft,
+                "bench_ttft_ms": 100.0,
+                "harness_ttft_first_wave_and_later_ms": [first, ttft],
+                "bench_ttft_first_wave_and_later_ms": [100.0, 100.0],
+            }
+            for ttft, first in zip(ttfts, first_wave, strict=True)
+        ]
+        summary = loadtest_fidelity.summarize_level(level, runs)
+        settings = {"levels": [level], "max_tokens": 50, "requests_per_client": 4, "repeats": len(runs)}
+        return {"environment": {}, "settings": settings, "runs": runs, "levels": [summary]}
+
+    low, first, again = (
+        result(8, [20.0] * 3, [25.0] * 3),
+        result(512, [1, 2, 3], [9] * 3),
+        result(512, [4, 5, 6], [1] * 3),
+    )
+    merged = loadtest_fidelity.merge_results([first, low, again], pool_levels=True)
+    assert merged["settings"]["levels"] == [8, 512]
+    assert [entry["concurrency"] for entry in merged["levels"]] == [8, 512]
+    pooled = merged["levels"][1]
+    assert pooled["repeats"] == 6 and pooled["harness_ttft_ms"]["min"] == 1 and pooled["harness_ttft_ms"]["max"] == 6
+    assert merged["levels"][0] == low["levels"][0]  # a level of one result keeps its summary
+
+    table = loadtest_fidelity.connections_table([("1-old.json", first), ("2-new.json", again)], "old")
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert [row[1] for row in rows] == ["with its first request", "at the user's start"]
+    assert [row[2] for row in rows] == ["9 (9–9)", "1 (1–1)"]  # each client's first request, harness
+
+
 def test_cpu_placement_sets_the_env_files_settings_and_puts_them_back(tmp_path):
     from llmstack.bench import cpu_placement
 
