@@ -186,6 +186,10 @@ def _send(session, base_url, endpoint, body, headers, kind, timeout, **request_k
         return record, None
     record.status = response.status_code
     try:
+        if response.status_code == 0 and getattr(response, "error", None) is not None:
+            # Locust's HttpSession answers a failed connection with status 0, no body and the exception.
+            record.error = f"{type(response.error).__name__}: {response.error}"[:200]
+            return record, None
         if response.status_code != 200:
             record.error = error_message(response.status_code, response.text)
         elif streamed:
