@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from llmstack.cli import add_json_argument, main_exit, parser_from_doc
-from loadtest.settings import SettingsError, parse_rates
+from loadtest.settings import SettingsError, check_host, parse_rates
 
 PROG = "python -m loadtest.experiments"
 EXPERIMENTS = ("concurrency", "streaming", "prefix", "goodput")
@@ -156,6 +156,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--step-seconds must be positive")
     if args.requests_per_client is None and args.step_seconds is None:
         args.requests_per_client = 4
+    try:
+        args.host = check_host(args.host, "--host (default: LOADTEST_HOST)")
+    except SettingsError as exc:
+        parser.error(str(exc))
     if args.rates != "auto":
         try:
             args.fixed_rates = parse_rates(args.rates)
@@ -200,12 +204,11 @@ def run(args: argparse.Namespace, levels: list[int]) -> int:
     from loadtest.settings import Settings
 
     logging.getLogger("locust").setLevel(logging.WARNING)
-    environ = dict(os.environ)
+    environ = dict(os.environ, LOADTEST_HOST=args.host)  # --host wins (its default is LOADTEST_HOST)
     if args.api_key_file:
         environ.pop("LOADTEST_API_KEY", None)
         environ["LOADTEST_API_KEY_FILE"] = args.api_key_file
     settings = Settings.from_environment(environ)
-    settings.host = args.host.rstrip("/")
     settings.model = args.model
     settings.prefix_words = args.prefix_words
 

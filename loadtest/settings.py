@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,15 @@ DEFAULT_LEVELS = (1, 2, 4, 8)
 
 class SettingsError(UsageError):
     """A setting the user gave is unusable; the message says which (exit code 2)."""
+
+
+def check_host(url: str, what: str) -> str:
+    """The load's target without a trailing slash. Anything but an http(s) URL with a host is
+    refused here: the users would otherwise fail before their first request and the run wait."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise SettingsError(f"{what} must be a URL such as http://nginx:8080, got {url!r}")
+    return url.rstrip("/")
 
 
 def parse_levels(text: str, what: str = "concurrency levels") -> list[int]:
@@ -77,9 +87,10 @@ class Settings:
             keys = [environ["LOADTEST_API_KEY"]]
         else:
             keys = read_keys(environ.get("LOADTEST_API_KEY_FILE") or "/run/secrets/loadtest_api_key")
+        host = check_host(environ.get("LOADTEST_HOST") or "http://nginx:8080", "LOADTEST_HOST")
         try:
             return cls(
-                host=(environ.get("LOADTEST_HOST") or "http://nginx:8080").rstrip("/"),
+                host=host,
                 api_keys=keys,
                 model=(environ.get("LOADTEST_MODEL") or ""),
                 prompt=environ.get("LOADTEST_PROMPT") or LAB_PROMPT,

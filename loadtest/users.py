@@ -90,11 +90,14 @@ class OpenAIUser(HttpUser):
         512 clients those doubled the first requests' TTFT: docs/loadtest.md). Requests has no
         public call that only connects, hence urllib3's pool; a failure here is left to the first
         request, which counts it."""
-        # The pool a request to this host would take: same proxies, verification and certificate.
-        options = self.client.merge_environment_settings(self.host, {}, None, None, None)
-        pool = self.client.get_adapter(self.host).get_connection_with_tls_context(
-            requests.Request("GET", self.host).prepare(), options["verify"], options["proxies"], options["cert"]
-        )
+        try:
+            # The pool a request to this host would take: same proxies, verification and certificate.
+            options = self.client.merge_environment_settings(self.host, {}, None, None, None)
+            pool = self.client.get_adapter(self.host).get_connection_with_tls_context(
+                requests.Request("GET", self.host).prepare(), options["verify"], options["proxies"], options["cert"]
+            )
+        except (requests.RequestException, ValueError):
+            return  # a host requests cannot use (no scheme, bad URL): each request reports it
         connection = pool._get_conn()
         try:
             connection.connect()

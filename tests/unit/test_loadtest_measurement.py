@@ -125,6 +125,17 @@ def test_levels_and_keys(tmp_path):
         read_keys(str(tmp_path / "missing"))
 
 
+def test_a_host_that_is_not_an_http_url_is_refused_before_any_user_starts():
+    """Users would fail in their start (requests refuses the URL) and a run wait for their requests."""
+    assert (
+        Settings.from_environment({"LOADTEST_API_KEY": "k", "LOADTEST_HOST": "https://gw:8443/"}).host
+        == "https://gw:8443"
+    )
+    for host in ("nginx:8080", "http://", "ftp://nginx"):
+        with pytest.raises(SettingsError, match=f"LOADTEST_HOST must be a URL such as http://nginx:8080, got '{host}'"):
+            Settings.from_environment({"LOADTEST_API_KEY": "k", "LOADTEST_HOST": host})
+
+
 def test_step_budget_gates_requests():
     state = StepState()
     state.begin(2, 3)
@@ -484,6 +495,21 @@ def test_connection_refused_is_a_failed_record():
     assert not record.ok and "ConnectionError" in record.error
 
 
+def test_a_failed_connection_through_locusts_session_names_its_cause():
+    """Locust's HttpSession does not raise on a failed connection: it answers status 0, no body,
+    and the exception (LocustResponse), which the record names rather than "HTTP 0"."""
+
+    class LocustLikeSession:
+        def post(self, *_args, **_kwargs):
+            response = requests.Response()
+            response.status_code, response.error = 0, requests.ConnectionError("Connection refused")
+            return response
+
+    body = build_body(COMPLETIONS, "m", "p", None, 2, True)
+    record = send(LocustLikeSession(), "http://127.0.0.1:9", COMPLETIONS, body, {}, "k")
+    assert record.error == "ConnectionError: Connection refused"
+
+
 def test_tables_render_lab_columns():
     summary = {
         "run_id": "r",
@@ -522,7 +548,10 @@ def test_tables_render_lab_columns():
     assert note.startswith("Level not held (512 clients held 393.2 requests in flight on average)")
 
 
-@pytest.mark.parametrize("argv", [["bogus"], ["--levels", "0"], ["--max-tokens", "1"], ["goodput", "--sweeps", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["bogus"], ["--levels", "0"], ["--max-tokens", "1"], ["goodput", "--sweeps", "0"], ["--host", "nginx:8080"]],
+)
 def test_experiments_cli_usage_errors(argv, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "loadtest.experiments", *argv, "--results", str(tmp_path)],
