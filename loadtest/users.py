@@ -99,10 +99,11 @@ class OpenAIUser(HttpUser):
         except (requests.RequestException, ValueError):
             return  # a host requests cannot use (no scheme, bad URL): each request reports it
         connection = pool._get_conn()
-        try:
-            connection.connect()
-        except (OSError, urllib3.exceptions.HTTPError):
-            connection.close()
+        if connection.sock is None:  # not open yet (the model's discovery may have opened it)
+            try:
+                connection.connect()
+            except (OSError, urllib3.exceptions.HTTPError):
+                connection.close()
         pool._put_conn(connection)
 
     def discover_model(self, config: Settings) -> None:
