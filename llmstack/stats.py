@@ -95,6 +95,17 @@ def difference(first: Sequence[float], second: Sequence[float]) -> tuple[float |
     return delta, abs(delta) > noise
 
 
+def percentiles(values: Iterable[float], qs: Iterable[float], scale: float = 1.0) -> dict[str, float | None]:
+    """{"p50": ..., ...}: each q-th percentile of raw values times `scale` (e.g. 1000 for seconds
+    to milliseconds); None when there are no values."""
+    data = sorted(values)
+    result: dict[str, float | None] = {}
+    for q in qs:
+        value = percentile(data, q)
+        result[f"p{q}"] = value * scale if value is not None else None
+    return result
+
+
 def deciles(values: Iterable[float]) -> list[float]:
     """p10, p20, ..., p90 of raw values (empty when there are none): the shape of a distribution,
     e.g. the two groups of TTFTs at saturation (a batch slot at once, or a wait), which a median

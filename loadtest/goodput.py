@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from llmstack.bench.gateway_report import fmt, median_range_of
 from llmstack.sse import RequestRecord
-from llmstack.stats import percentile, spread
+from llmstack.stats import percentiles, spread
 from loadtest.results import span
 from loadtest.step_state import max_overlap
 
@@ -50,14 +50,6 @@ def requests_for_rate(rate: float, seconds: float, minimum: int, generators: int
     return math.ceil(count / generators) * generators
 
 
-def percentiles_ms(values: list[float]) -> dict[str, float | None]:
-    result: dict[str, float | None] = {}
-    for q in PERCENTILES:
-        value = percentile(values, q)
-        result[f"p{q}"] = value * 1000 if value is not None else None
-    return result
-
-
 def rate_row(rate: float, records: list[RequestRecord], objective: Objective) -> dict:
     """One offered rate's figures from its records."""
     ok = [r for r in records if r.ok]
@@ -78,8 +70,8 @@ def rate_row(rate: float, records: list[RequestRecord], objective: Objective) ->
                 "output_tokens": tokens,
                 "completed_rate": len(ok) / (end - begin) if end > begin else None,
                 "throughput_tok_s": tokens / (end - begin) if end > begin else None,
-                "ttft_ms": percentiles_ms([r.ttft for r in ok if r.ttft is not None]),
-                "tpot_ms": percentiles_ms([r.tpot for r in ok if r.tpot is not None]),
+                "ttft_ms": percentiles([r.ttft for r in ok if r.ttft is not None], PERCENTILES, 1000),
+                "tpot_ms": percentiles([r.tpot for r in ok if r.tpot is not None], PERCENTILES, 1000),
                 "e2e_ms": spread([r.e2e for r in ok]).scaled(1000).as_dict(),
             }
         )

@@ -16,7 +16,7 @@ import requests
 
 from llmstack.promtext import Snapshot
 from llmstack.sse import COMPLETIONS, RequestRecord, build_body, chunk_text, iter_sse_data, send
-from llmstack.stats import first_wave_split, mean_in_flight_by_part, percentile
+from llmstack.stats import first_wave_split, mean_in_flight_by_part, percentile, percentiles
 from loadtest import distributed, report, results
 from loadtest.buckets import precise_bucket
 from loadtest.settings import Settings, SettingsError, parse_levels, read_keys
@@ -105,6 +105,11 @@ def test_the_tables_take_their_percentiles_from_llmstack_stats():
     assert row["tpot_ms"]["p90"] == pytest.approx(percentile([r.tpot for r in records], 90) * 1000)
     # The streaming table's medians are the same percentile's p50.
     assert results.streaming_result(records[:4], 11)["median"]["ttft_ms"] == pytest.approx(4.0)
+    # The goodput rows' set of percentiles (p95 too) is the same percentile, scaled.
+    assert percentiles(ttfts, (50, 95), 1000) == pytest.approx(
+        {q: percentile(ttfts, int(q[1:])) * 1000 for q in ("p50", "p95")}
+    )
+    assert percentiles([], (50,)) == {"p50": None}
 
 
 def test_levels_and_keys(tmp_path):
