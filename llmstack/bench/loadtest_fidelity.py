@@ -398,13 +398,9 @@ def merge_results(parts: list[dict], pool_levels: bool = False) -> dict:
     if len(set(levels)) < len(levels):
         if not pool_levels:
             raise ValueError("a level appears in more than one result")
+        # Each level's summary made again from all of its runs (summarize_level made the stored ones).
         levels = sorted(set(levels))
-        repeated = {level for level in levels if sum(entry["concurrency"] == level for entry in summaries) > 1}
-        summaries = [entry for entry in summaries if entry["concurrency"] not in repeated]
-        summaries += [
-            summarize_level(level, [run for run in runs if run["concurrency"] == level]) for level in repeated
-        ]
-        summaries.sort(key=lambda level: level["concurrency"])
+        summaries = [summarize_level(level, [run for run in runs if run["concurrency"] == level]) for level in levels]
     return {
         "environment": parts[0]["environment"],
         "settings": {**parts[0]["settings"], "levels": levels},
