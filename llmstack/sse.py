@@ -113,6 +113,11 @@ def chunk_text(payload: dict) -> str:
     return text
 
 
+# Greedy sampling: the same work for every request and every client (vllm bench serve is told the
+# same: without --temperature it leaves sampling to the model's default, 1.0, random sampling).
+TEMPERATURE = 0
+
+
 def build_body(
     endpoint: str,
     model: str,
@@ -122,7 +127,7 @@ def build_body(
     stream: bool,
     ignore_eos: bool = True,
 ) -> dict:
-    body: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    body: dict = {"model": model, "max_tokens": max_tokens, "temperature": TEMPERATURE, "stream": stream}
     if ignore_eos:
         # Fixed output length: vLLM's extension, so every request decodes exactly max_tokens.
         body["ignore_eos"] = True

@@ -95,6 +95,18 @@ def difference(first: Sequence[float], second: Sequence[float]) -> tuple[float |
     return delta, abs(delta) > noise
 
 
+def paired_difference(pairs: Iterable[tuple[float, float]]) -> tuple[Spread, bool]:
+    """(spread of (second - first) / first * 100 over the pairs, whether it exceeds the spread).
+
+    For repeats run as pairs back to back (e.g. ABBA), where a drift over the run moves both sides
+    of a pair alike and so widens each side's range, not their difference. The difference counts
+    only when every pair differs the same way (its range leaves out zero); otherwise "none".
+    """
+    percents = spread((second - first) / first * 100 for first, second in pairs if first)
+    beyond = percents.n > 0 and ((percents.min or 0.0) > 0 or (percents.max or 0.0) < 0)
+    return percents, beyond
+
+
 def percentiles(values: Iterable[float], qs: Iterable[float], scale: float = 1.0) -> dict[str, float | None]:
     """{"p50": ..., ...}: each q-th percentile of raw values times `scale` (e.g. 1000 for seconds
     to milliseconds); None when there are no values."""

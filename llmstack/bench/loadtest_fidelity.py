@@ -6,12 +6,14 @@ output length with ignore_eos, closed-loop clients) is measured three ways:
               path), client-side TTFT and TPOT means;
   vllm-hist   vLLM's time_to_first_token / request_time_per_output_token histograms over exactly
               the harness's requests (delta sum / delta count);
-  bench       `vllm bench serve` (random prompts of the same token count, same output length and
-              concurrency), with vLLM's histograms over its requests too.
+  bench       `vllm bench serve` (random prompts of the same token count, same output length,
+              concurrency and greedy sampling), with vLLM's histograms over its requests too.
 Each level runs --repeats times (3), the harness and `vllm bench serve` interleaved (ABBA), and the
 table gives the median of the repeats with their range, and the harness against `vllm bench serve`:
 output tokens/s (target within 3 %), TTFT p50 (5 %) and mean TPOT (3 %). A difference smaller than
-the spread of either side's repeats counts as none. A second table gives the server's view: how many
+the spread of either side's repeats counts as none. As each repeat runs the two back to back, a
+paired table gives the difference within each repeat, which a drift of the server over the run
+does not widen: it counts only where every repeat differs the same way. A third table gives the server's view: how many
 requests each client kept in flight on average (Little's law, from its own figures) and vLLM's
 histograms over each client's requests, so a client that offered less load than its level shows.
 Where the clients and vLLM share this host's network (--vllm-url), every run also records the
@@ -46,7 +48,8 @@ from llmstack import REPO_ROOT
 from llmstack.bench.gateway_report import md_table, median_range, median_range_of
 from llmstack.cli import StackError, UsageError, add_json_argument, main_exit, parse_levels, parser_from_doc, progress
 from llmstack.promtext import Snapshot
-from llmstack.stats import deciles, difference, first_wave_split, mean_in_flight_by_part, spread
+from llmstack.sse import TEMPERATURE
+from llmstack.stats import deciles, difference, first_wave_split, mean_in_flight_by_part, paired_difference, spread
 from llmstack.vllm import VLLM_PORT, ComposeStack, HostVllm, add_stack_arguments, served_model, stack_from_args
 
 PROG = "loadtest_fidelity.py"
@@ -180,41 +183,49 @@ def harness_level(target: Target, args: argparse.Namespace, level: int) -> dict:
     }
 
 
+def bench_options(
+    bench_url: str, args: argparse.Namespace, level: int, model: str, tokenizer: str, input_len: int
+) -> list[str]:
+    """`vllm bench serve`'s arguments for one level: the harness's workload, closed loop."""
+    return [
+        "--backend",
+        "vllm",
+        "--base-url",
+        bench_url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        model,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(args.max_tokens),
+        "--ignore-eos",
+        # The harness's sampling (greedy); without it the server's default (random) would run.
+        "--temperature",
+        str(TEMPERATURE),
+        "--num-prompts",
+        str(level * requests_per_client(args, level)),
+        "--max-concurrency",
+        str(level),
+        "--request-rate",
+        "inf",
+        "--save-result",
+        "--save-detailed",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+    ]
+
+
 def bench_serve(
     target: Target, args: argparse.Namespace, level: int, model: str, tokenizer: str, input_len: int
 ) -> dict:
     before = snapshot(target.stack)
-    data = target.bench(
-        [
-            "--backend",
-            "vllm",
-            "--base-url",
-            target.bench_url,
-            "--endpoint",
-            "/v1/completions",
-            "--model",
-            model,
-            "--tokenizer",
-            tokenizer,
-            "--dataset-name",
-            "random",
-            "--random-input-len",
-            str(input_len),
-            "--random-output-len",
-            str(args.max_tokens),
-            "--ignore-eos",
-            "--num-prompts",
-            str(level * requests_per_client(args, level)),
-            "--max-concurrency",
-            str(level),
-            "--request-rate",
-            "inf",
-            "--save-result",
-            "--save-detailed",
-            "--percentile-metrics",
-            "ttft,tpot,itl,e2el",
-        ]
-    )
+    data = target.bench(bench_options(target.bench_url, args, level, model, tokenizer, input_len))
     after = snapshot(target.stack)
     requests = bench_requests(data)
     started_ttfts = [(start, ttft * 1000) for start, ttft, _end in requests]
@@ -295,6 +306,11 @@ COMPARED = (
     ("TPOT mean ms", "harness_tpot_ms", "bench_tpot_ms", 3.0),
     ("TTFT mean ms", "harness_ttft_ms", "bench_ttft_ms", None),
 )
+# vLLM's histograms over each client's requests: whether the server served the two alike.
+SERVER_COMPARED = (
+    ("vLLM hist TTFT mean ms", "vllm_hist_ttft_ms", "bench_vllm_ttft_ms", None),
+    ("vLLM hist TPOT mean ms", "vllm_hist_tpot_ms", "bench_vllm_tpot_ms", None),
+)
 
 
 def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_root: str) -> dict:
@@ -354,6 +370,7 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
             "min_requests": args.min_requests,
             "max_tokens": args.max_tokens,
             "workers": args.workers,
+            "bench_temperature": TEMPERATURE,
         },
         "runs": runs,
         "levels": [summarize_level(level, [r for r in runs if r["concurrency"] == level]) for level in args.levels],
@@ -378,6 +395,19 @@ def summarize_level(level: int, runs: list[dict]) -> dict:
             "beyond_spread": beyond,
             "target_pct": target,
             "met": None if target is None or pct is None else abs(pct) <= target,
+        }
+    for name, harness_key, bench_key, target in COMPARED + SERVER_COMPARED:
+        pairs = [
+            (run[bench_key], run[harness_key])
+            for run in runs
+            if isinstance(run.get(bench_key), int | float) and isinstance(run.get(harness_key), int | float)
+        ]
+        percents, beyond = paired_difference(pairs)
+        summary.setdefault("paired", {})[name] = {
+            "harness_vs_bench_pct": percents.as_dict(),
+            "beyond_spread": beyond,
+            "target_pct": target,
+            "met": None if target is None or percents.p50 is None else abs(percents.p50) <= target,
         }
     return summary
 
@@ -475,6 +505,64 @@ def repeats_table(data: dict) -> str:
         headers += [f"harness {name}", f"bench {name}", "harness vs bench"]
     headers += ["vLLM hist TTFT mean ms (harness's requests)"]
     return md_table(headers, rows)
+
+
+PAIRED_NAMES = [name for name, *_ in COMPARED + SERVER_COMPARED]
+
+
+def paired_cell(compared: dict | None) -> str:
+    """median% (min to max), "~" where the repeats differ both ways, then the target's verdict."""
+    if not compared or compared["harness_vs_bench_pct"]["p50"] is None:
+        return "-"
+    pct = compared["harness_vs_bench_pct"]
+    text = f"{pct['p50']:+.1f}% ({pct['min']:+.1f} to {pct['max']:+.1f})" + ("" if compared["beyond_spread"] else " ~")
+    if compared["met"] is not None:
+        text += " met" if compared["met"] else " missed"
+    return text
+
+
+def paired_table(data: dict) -> str:
+    """Per level and figure, the harness against `vllm bench serve` within each repeat (the two
+    ran back to back): median (min-max) of those differences, "~" where they go both ways (no
+    difference), and the target's verdict on the median."""
+    rows = []
+    for entry in data["levels"]:
+        # Summaries stored before the paired figures existed are made again from their runs.
+        level = entry["concurrency"]
+        paired = (
+            entry.get("paired")
+            or summarize_level(level, [r for r in data["runs"] if r["concurrency"] == level])["paired"]
+        )
+        rows.append([str(level), str(entry["repeats"]), *(paired_cell(paired.get(name)) for name in PAIRED_NAMES)])
+    return md_table(["Clients", "Repeats", *(f"{name}, harness vs bench" for name in PAIRED_NAMES)], rows)
+
+
+def bench_sampling(data: dict) -> str:
+    """How `vllm bench serve` sampled in a result: as the harness (greedy) since bench_temperature
+    was recorded; before, it sent no temperature and the served model's default applied."""
+    temperature = data["settings"].get("bench_temperature")
+    if temperature is None:
+        return "the server's default"
+    return "greedy, as the harness" if temperature == 0 else f"temperature {temperature}"
+
+
+def sampling_table(results: list[dict]) -> str:
+    """Per level and `vllm bench serve` sampling (results of both kinds, interleaved), the repeats of
+    each kind pooled: bench's own tok/s, in how many repeats the harness's tok/s was below it, and
+    the paired differences (paired_table)."""
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for data in results:
+        for run in data["runs"]:
+            groups.setdefault((run["concurrency"], bench_sampling(data)), []).append(run)
+    rows = []
+    for (level, sampling), runs in sorted(groups.items(), key=lambda item: item[0][0]):
+        paired = summarize_level(level, runs)["paired"]
+        lower = sum(1 for run in runs if run["harness_throughput_tok_s"] < run["bench_throughput_tok_s"])
+        bench_tps = [run["bench_throughput_tok_s"] for run in runs]
+        row = [str(level), sampling, str(len(runs)), median_range_of(bench_tps, 0), f"{lower} of {len(runs)}"]
+        rows.append(row + [paired_cell(paired.get(name)) for name in PAIRED_NAMES])
+    headers = ["Clients", "bench sampling", "Repeats", "bench output tok/s", "harness tok/s below bench's in"]
+    return md_table(headers + [f"{name}, harness vs bench" for name in PAIRED_NAMES], rows)
 
 
 def mean_in_flight(run: dict, side: str, max_tokens: int) -> float | None:
@@ -628,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         data = measure_repeats(target, args, model["id"], model.get("root") or model["id"])
         if args.output:
             Path(args.output).write_text(json.dumps(data, indent=2) + "\n")
-        tables = [repeats_table(data), server_view_table(data)]
+        tables = [repeats_table(data), paired_table(data), server_view_table(data)]
         if any(run.get("harness_ttft_deciles_ms") for run in data["runs"]):
             tables.append(ttft_deciles_table(data))
         print(json.dumps(data, indent=2) if args.json else "\n\n".join(tables))

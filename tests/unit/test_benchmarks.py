@@ -475,6 +475,48 @@ def test_fidelity_repeats_summarize_with_spread_and_targets():
     assert "1,000 (980–1,020)" in table and "+25.0% missed" in table and "+0.0% ~ met" in table
 
 
+def test_fidelity_pairs_each_repeat_so_a_drift_does_not_hide_a_difference():
+    from llmstack.bench import loadtest_fidelity
+    from llmstack.stats import paired_difference
+
+    # The server sped up over the run (both sides alike); within each repeat the harness is 5 % lower.
+    runs = [
+        {
+            "concurrency": 64,
+            "harness_throughput_tok_s": 0.95 * bench_tps,
+            "bench_throughput_tok_s": bench_tps,
+            "vllm_hist_tpot_ms": hist_tpot,
+            "bench_vllm_tpot_ms": 3.0,
+        }
+        for bench_tps, hist_tpot in ((10_000, 2.9), (12_000, 3.1), (14_000, 3.0))
+    ]
+    level = loadtest_fidelity.summarize_level(64, runs)
+    assert not level["compared"]["output tok/s"]["beyond_spread"]  # each side's range is 4,000 tok/s
+    paired = level["paired"]["output tok/s"]
+    assert paired["harness_vs_bench_pct"]["p50"] == pytest.approx(-5.0) and paired["beyond_spread"]
+    assert not paired["met"]  # 3 % target
+    server = level["paired"]["vLLM hist TPOT mean ms"]
+    assert server["harness_vs_bench_pct"]["min"] < 0 < server["harness_vs_bench_pct"]["max"]
+    assert not server["beyond_spread"] and server["met"] is None
+    table = loadtest_fidelity.paired_table({"levels": [level], "runs": runs})
+    assert "-5.0% (-5.0 to -5.0) missed" in table and "+0.0% (-3.3 to +3.3) ~" in table
+    # A summary stored without paired figures gets them from its runs.
+    assert loadtest_fidelity.paired_table({"levels": [{"concurrency": 64, "repeats": 3}], "runs": runs}) == table
+    assert paired_difference([]) == (paired_difference([])[0], False) and paired_difference([(0.0, 1.0)])[0].n == 0
+
+
+def test_fidelity_tells_vllm_bench_serve_to_sample_as_the_harness_does():
+    from llmstack import sse
+    from llmstack.bench import loadtest_fidelity
+
+    args = loadtest_fidelity.parse_args(["--levels", "4"])
+    options = loadtest_fidelity.bench_options("http://vllm:8000", args, 4, "m", "m", 16)
+    body = sse.build_body(sse.COMPLETIONS, "m", "p", None, 8, stream=True)
+    # Without --temperature, vllm bench serve leaves sampling to the model's default (random).
+    assert options[options.index("--temperature") + 1] == str(body["temperature"]) == "0"
+    assert options[options.index("--max-concurrency") + 1] == "4" and "--ignore-eos" in options and body["ignore_eos"]
+
+
 def test_fidelity_server_view_counts_requests_in_flight_by_littles_law():
     from llmstack.bench import loadtest_fidelity
 
