@@ -266,6 +266,31 @@ for _suffix, _table in (
 ):
     GENERATORS[f"fidelity-h100-connections{_suffix}"] = Generator(CONNECTIONS, opened_at_start(_table), by_name=True)
 
+# Greedy `vllm bench serve` (as the harness samples) against its server-default sampling at 8 and
+# 64 clients, interleaved; and the ladder with greedy bench (its three commands pooled).
+GREEDY = "docs/loadtest/fidelity-h100-greedy"
+
+
+def sampling_ab(results: list[dict]) -> str:
+    return loadtest_fidelity.sampling_table([data for data in results if len(data["settings"]["levels"]) == 1])
+
+
+def greedy_ladder(table: Callable[[dict], str]) -> Callable[[object], str]:
+    def render(results: list[dict]) -> str:
+        ladder = [data for data in results if len(data["settings"]["levels"]) > 1]
+        return table(loadtest_fidelity.merge_results(ladder, pool_levels=True))
+
+    return render  # type: ignore[return-value]
+
+
+GENERATORS["fidelity-h100-greedy-ab"] = Generator(GREEDY, sampling_ab)  # type: ignore[arg-type]
+for _suffix, _table in (
+    ("", loadtest_fidelity.repeats_table),
+    ("-paired", loadtest_fidelity.paired_table),
+    ("-server", loadtest_fidelity.server_view_table),
+):
+    GENERATORS[f"fidelity-h100-greedy{_suffix}"] = Generator(GREEDY, greedy_ladder(_table))
+
 # The README's sample of the headless experiments (docs/loadtest/experiments-cpu/run-N.json).
 GENERATORS["experiments-cpu"] = Generator("docs/loadtest/experiments-cpu", experiments_sample)  # type: ignore[arg-type]
 GENERATORS["goodput-h100"] = Generator("docs/loadtest/goodput-h100.json", goodput_report)  # type: ignore[arg-type]
