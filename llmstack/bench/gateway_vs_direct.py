@@ -24,7 +24,9 @@ MAX_CONCURRENT_REQUESTS_PER_KEY for the key you use (docs/gpu-results.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import importlib.metadata
 import json
 import math
 import os
@@ -164,12 +166,10 @@ def environment(args: argparse.Namespace, key: str) -> dict:
             info["gpu"] = gpu.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         pass
-    try:
-        import locust
-
-        info["locust_version"] = locust.__version__
-    except ImportError:
-        pass
+    # Its version from the metadata: importing locust would gevent-patch this process, after
+    # requests (llmstack.sse) has imported ssl, and break it.
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        info["locust_version"] = importlib.metadata.version("locust")
     return info
 
 
