@@ -230,6 +230,7 @@ def run(args: argparse.Namespace, levels: list[int]) -> int:
         "loader_processes": runner.loader_processes,
         "results_dir": str(out_dir),
         "started": datetime.now(UTC).isoformat(),
+        "prompt": settings.prompt,  # what every plain request sent (the fidelity benchmark sends it too)
     }
     started = time.perf_counter()
     try:

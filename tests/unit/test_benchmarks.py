@@ -505,16 +505,28 @@ def test_fidelity_pairs_each_repeat_so_a_drift_does_not_hide_a_difference():
     assert paired_difference([]) == (paired_difference([])[0], False) and paired_difference([(0.0, 1.0)])[0].n == 0
 
 
-def test_fidelity_tells_vllm_bench_serve_to_sample_as_the_harness_does():
+def test_fidelity_gives_vllm_bench_serve_the_harness_prompt_and_sampling(tmp_path):
     from llmstack import sse
     from llmstack.bench import loadtest_fidelity
 
     args = loadtest_fidelity.parse_args(["--levels", "4"])
-    options = loadtest_fidelity.bench_options("http://vllm:8000", args, 4, "m", "m", 16)
+    options = loadtest_fidelity.bench_options("http://vllm:8000", args, 4, "m", "m")
     body = sse.build_body(sse.COMPLETIONS, "m", "p", None, 8, stream=True)
     # Without --temperature, vllm bench serve leaves sampling to the model's default (random).
     assert options[options.index("--temperature") + 1] == str(body["temperature"]) == "0"
     assert options[options.index("--max-concurrency") + 1] == "4" and "--ignore-eos" in options and body["ignore_eos"]
+    # The harness's prompt, as it is: a custom dataset that the shim writes where vLLM's Python runs.
+    assert options[options.index("--dataset-name") + 1] == "custom" and "--skip-chat-template" in options
+    dataset = tmp_path / "prompt.jsonl"
+    prompt = 'Say "ARGUMENTS"\nthen stop'
+    shim = loadtest_fidelity.BENCH_SHIM.replace("ARGUMENTS", repr((["vllm", "bench", "serve"], str(dataset), prompt)))
+    argv = sys.argv
+    try:
+        exec(shim[shim.index("sys.argv") : shim.index("from vllm")], {"sys": sys})  # not the version patch
+        assert sys.argv == ["vllm", "bench", "serve"]
+    finally:
+        sys.argv = argv
+    assert [json.loads(line) for line in dataset.read_text().splitlines()] == [{"prompt": prompt}]
 
 
 def test_fidelity_server_view_counts_requests_in_flight_by_littles_law():
