@@ -5,11 +5,15 @@ from __future__ import annotations
 import csv
 import json
 import math
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import requests
+
+from loadtest.settings import LAB_PROMPT
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LEVELS = [1, 2, 4, 8]
@@ -428,3 +432,39 @@ def test_gateway_vs_direct_benchmark_runs_in_the_stack(stack):
     assert summary["streaming"]["gateway"]["output_tokens"] == summary["streaming"]["direct"]["output_tokens"]
     assert summary["prefix"]["direct"]["prompt_tokens"] > 0
     assert {t["target"] for t in summary["targets"]} >= {"added TTFT p50 <= 1 ms", "added TTFT p99 <= 3 ms"}
+
+
+def test_fidelity_benchmark_gives_vllm_bench_serve_the_harness_workload(stack):
+    """The fidelity benchmark on the compose stack, as docs/loadtest.md gives it: the harness in the
+    Locust image, `vllm bench serve` in vLLM's (the CPU build: it crashed on an AVX2-only host
+    until the shim named the platform), with the harness's prompt and sampling."""
+    command = [
+        sys.executable,
+        "benchmarks/loadtest_fidelity.py",
+        "--levels",
+        "2",
+        "--repeats",
+        "2",
+        "--requests-per-client",
+        "1",
+        "--min-requests",
+        "2",
+        "--max-tokens",
+        "8",
+        "--json",
+        "--project-name",
+        stack.project,
+        *(arg for name in stack.compose_files for arg in ("-f", name)),
+        "--env-file",
+        str(stack.env_file),
+    ]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    data = json.loads(result.stdout)
+    assert data["settings"]["bench_temperature"] == 0
+    assert data["settings"]["bench_prompt"] == LAB_PROMPT  # the harness's, as its summary gave it
+    for run in data["runs"]:
+        assert run["harness_failures"] == 0 and run["harness_requests"] == 2 and run["bench_completed"] == 2
+        # vLLM's histograms saw each client's requests.
+        assert run["vllm_hist_ttft_ms"] > 0 and run["bench_vllm_ttft_ms"] > 0 and run["bench_vllm_tpot_ms"] > 0
+    assert data["levels"][0]["paired"]["output tok/s"]["harness_vs_bench_pct"]["n"] == 2
