@@ -100,7 +100,7 @@ class ComposeStack:
         except subprocess.TimeoutExpired as err:
             raise StackError(f"`{' '.join(command)}` took more than {timeout:.0f} s") from err
         if result.returncode != 0:
-            message = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            message = (result.stderr.strip().splitlines() or [f"exit {result.returncode}, no output"])[-1]
             raise StackError(f"`docker compose {' '.join(args[:2])}` failed: {message}")
         return result.stdout
 
@@ -170,7 +170,7 @@ class HostVllm:
         except subprocess.TimeoutExpired as err:
             raise StackError(f"a local Python step took more than {timeout:.0f} s") from err
         if result.returncode != 0:
-            message = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            message = (result.stderr.strip().splitlines() or [f"exit {result.returncode}, no output"])[-1]
             raise StackError(f"a local Python step failed: {message}")
         return result.stdout
 
