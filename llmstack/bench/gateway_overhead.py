@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from llmstack.bench.gateway_report import TARGETS, fmt, md_table
-from llmstack.bench.loadtest_fidelity import BENCH_SHIM
+from llmstack.bench.loadtest_fidelity import VLLM_CPU_PATCH
 from llmstack.cli import (
     StackError,
     UsageError,
@@ -94,8 +94,7 @@ sys.stdout.write("\\n__MARKER__" + json.dumps(kept) + "\\n")
 
 
 def shim(key: str, runs: list[dict], pause: float) -> str:
-    """Python for vLLM's interpreter: BENCH_SHIM's version patch, then every run of a level."""
-    patch = BENCH_SHIM[: BENCH_SHIM.index("sys.argv")]
+    """Python for vLLM's interpreter: VLLM_CPU_PATCH, then every run of a level."""
     loop = (
         SHIM_LOOP.replace("__KEY__", repr(key))
         .replace("__RUNS__", repr(runs))
@@ -103,7 +102,7 @@ def shim(key: str, runs: list[dict], pause: float) -> str:
         .replace("__PAUSE__", repr(pause))
         .replace("__MARKER__", MARKER)
     )
-    return patch + loop
+    return VLLM_CPU_PATCH + loop
 
 
 def run_order(repeats: int, level_index: int) -> list[tuple[int, str]]:

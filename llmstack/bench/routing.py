@@ -54,7 +54,7 @@ from typing import Any
 from llmstack import launch, promtext
 from llmstack.bench import routing_workload
 from llmstack.bench.gateway_report import fmt, median_range
-from llmstack.bench.loadtest_fidelity import BENCH_SHIM
+from llmstack.bench.loadtest_fidelity import VLLM_CPU_PATCH
 from llmstack.cli import (
     StackError,
     UsageError,
@@ -127,7 +127,6 @@ sys.stdout.write("\\n__MARKER__" + json.dumps(kept) + "\\n")
 
 
 def shim(runs: list[dict], replicas: list[str], tokenizer: str, pause: float) -> str:
-    patch = BENCH_SHIM[: BENCH_SHIM.index("sys.argv")]
     source = Path(routing_workload.__file__).read_text()
     loop = (
         SHIM_LOOP.replace("__WORKLOAD__", repr(source))
@@ -139,7 +138,7 @@ def shim(runs: list[dict], replicas: list[str], tokenizer: str, pause: float) ->
         .replace("__PAUSE__", repr(pause))
         .replace("__MARKER__", MARKER)
     )
-    return patch + loop
+    return VLLM_CPU_PATCH + loop
 
 
 # --- where it runs -----------------------------------------------------------------------------------

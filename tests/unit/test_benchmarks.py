@@ -522,7 +522,8 @@ def test_fidelity_gives_vllm_bench_serve_the_harness_prompt_and_sampling(tmp_pat
     shim = loadtest_fidelity.BENCH_SHIM.replace("ARGUMENTS", repr((["vllm", "bench", "serve"], str(dataset), prompt)))
     argv = sys.argv
     try:
-        exec(shim[shim.index("sys.argv") : shim.index("from vllm")], {"sys": sys})  # not the version patch
+        run_part = shim.removeprefix(loadtest_fidelity.VLLM_CPU_PATCH)
+        exec(run_part[: run_part.index("from vllm")], {"sys": sys})  # not the version patch
         assert sys.argv == ["vllm", "bench", "serve"]
     finally:
         sys.argv = argv
