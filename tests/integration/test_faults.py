@@ -69,6 +69,29 @@ def wait_started(started: threading.Event, streams: list[concurrent.futures.Futu
         assert time.monotonic() < deadline, f"no stream had 5 events within {timeout:.0f} s"
 
 
+def docker(*args: str) -> None:
+    """A docker command whose failure says docker's own reason (check=True would hide its stderr)."""
+    done = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"docker {args[0]} exited {done.returncode}: {done.stderr.strip() or 'no output'}"
+
+
+def wait_running(containers: list[str], timeout: float) -> None:
+    """Until every container runs: docker pause refuses one that is restarting or stopped (an earlier
+    destructive test may have left a replica coming back)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = subprocess.run(
+            ["docker", "inspect", "--format", "{{.State.Status}}", *containers],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split()
+        if states == ["running"] * len(containers):
+            return
+        assert time.monotonic() < deadline, f"replicas not running after {timeout:.0f} s: {states}"
+        time.sleep(1)
+
+
 def test_a_reload_during_streams_cuts_none(stack):
     started = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
@@ -93,13 +116,14 @@ def test_a_frozen_vllm_is_found_out_within_the_timeouts(stack):
             started = threading.Event()
             streaming = pool.submit(stream_events, stack, 4000, started)
             wait_started(started, [streaming], 60)
-            subprocess.run(["docker", "pause", *vllm], check=True, capture_output=True, timeout=60)
+            wait_running(vllm, 60)
+            docker("pause", *vllm)
             paused = time.monotonic()
             texts, done, _, _ = streaming.result()
             stream_waited = time.monotonic() - paused
             if not done:
                 break
-            subprocess.run(["docker", "unpause", *vllm], check=True, capture_output=True, timeout=60)
+            docker("unpause", *vllm)
     try:
         assert not done, "three 4000-token streams each finished before vLLM was paused"
         # Its stream ends, without [DONE], one idle timeout after the last event it got.
