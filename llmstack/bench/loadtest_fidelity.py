@@ -428,11 +428,13 @@ def summarize_level(level: int, runs: list[dict]) -> dict:
 def merge_results(parts: list[dict], pool_levels: bool = False) -> dict:
     """Several --repeats results of one server (e.g. its low and high levels, run one after the
     other) as one: their levels and runs by level, the first one's environment. With pool_levels,
-    a level run by more than one command counts all their repeats (summarized again); otherwise
+    a level run by more than one command counts all their repeats (summarized again), and the
+    commands may differ in their number of repeats (each level's summary counts its own); otherwise
     that is an error."""
     if not parts:
         raise ValueError("no results to merge")
-    for setting in ("max_tokens", "requests_per_client", "repeats"):
+    comparable = ("max_tokens", "requests_per_client") + (() if pool_levels else ("repeats",))
+    for setting in comparable:
         if len({part["settings"][setting] for part in parts}) > 1:
             raise ValueError(f"the results differ in {setting}: their levels are not comparable")
     levels = sorted(level for part in parts for level in part["settings"]["levels"])
@@ -444,9 +446,11 @@ def merge_results(parts: list[dict], pool_levels: bool = False) -> dict:
         # Each level's summary made again from all of its runs (summarize_level made the stored ones).
         levels = sorted(set(levels))
         summaries = [summarize_level(level, [run for run in runs if run["concurrency"] == level]) for level in levels]
+    repeats = {part["settings"]["repeats"] for part in parts}
     return {
         "environment": parts[0]["environment"],
-        "settings": {**parts[0]["settings"], "levels": levels},
+        # Repeats per command where the commands agree; else None (each level says its own).
+        "settings": {**parts[0]["settings"], "levels": levels, "repeats": repeats.pop() if len(repeats) == 1 else None},
         "runs": runs,
         "levels": summaries,
     }
@@ -548,6 +552,18 @@ def paired_table(data: dict) -> str:
         )
         rows.append([str(level), str(entry["repeats"]), *(paired_cell(paired.get(name)) for name in PAIRED_NAMES)])
     return md_table(["Clients", "Repeats", *(f"{name}, harness vs bench" for name in PAIRED_NAMES)], rows)
+
+
+def paired_by_command_table(named: list[tuple[str, dict]], level: int) -> str:
+    """One level's paired differences (paired_table) for each command that ran it, in run order:
+    whether a difference holds from one command to the next, or moves with the lease."""
+    rows = []
+    for name, data in named:
+        runs = [run for run in data["runs"] if run["concurrency"] == level]
+        if runs:
+            paired = summarize_level(level, runs)["paired"]
+            rows.append([name, str(len(runs)), *(paired_cell(paired.get(figure)) for figure in PAIRED_NAMES)])
+    return md_table(["Command", "Repeats", *(f"{figure}, harness vs bench" for figure in PAIRED_NAMES)], rows)
 
 
 def bench_sampling(data: dict) -> str:

@@ -648,6 +648,17 @@ def test_fidelity_results_of_one_level_pool_their_repeats_and_the_connections_ta
     pooled = merged["levels"][1]
     assert pooled["repeats"] == 6 and pooled["harness_ttft_ms"]["min"] == 1 and pooled["harness_ttft_ms"]["max"] == 6
     assert merged["levels"][0] == low["levels"][0]  # a level of one result keeps its summary
+    assert merged["settings"]["repeats"] == 3
+    # Pooled, the commands may differ in repeats; each level counts its own.
+    longer = result(8, [30.0] * 6, [35.0] * 6)
+    pooled_8 = loadtest_fidelity.merge_results([low, longer], pool_levels=True)
+    assert pooled_8["settings"]["repeats"] is None and pooled_8["levels"][0]["repeats"] == 9
+    with pytest.raises(ValueError, match="repeats"):
+        loadtest_fidelity.merge_results([low, result(512, [1.0] * 6, [1.0] * 6)])
+
+    by_command = loadtest_fidelity.paired_by_command_table([("a.json", first), ("b.json", low), ("c.json", again)], 512)
+    rows = [line.split(" | ") for line in by_command.splitlines()[2:]]
+    assert [(row[0].lstrip("| "), row[1]) for row in rows] == [("a.json", "3"), ("c.json", "3")]  # b has no 512
 
     table = loadtest_fidelity.connections_table([("1-old.json", first), ("2-new.json", again)], "old")
     rows = [line.split(" | ") for line in table.splitlines()[2:]]
