@@ -291,6 +291,27 @@ for _suffix, _table in (
 ):
     GENERATORS[f"fidelity-h100-greedy{_suffix}"] = Generator(GREEDY, greedy_ladder(_table))
 
+# Both clients sending the same requests (bench greedy, with the harness's prompt): the ladder run
+# twice and 1 client once more with 6 repeats, every command pooled; and 1 client by command.
+SAME_PROMPT = "docs/loadtest/fidelity-h100-same-prompt"
+
+
+def pooled(table: Callable[[dict], str]) -> Callable[[object], str]:
+    return lambda results: table(loadtest_fidelity.merge_results(results, pool_levels=True))  # type: ignore[arg-type]
+
+
+for _suffix, _table in (
+    ("", loadtest_fidelity.repeats_table),
+    ("-paired", loadtest_fidelity.paired_table),
+    ("-server", loadtest_fidelity.server_view_table),
+):
+    GENERATORS[f"fidelity-h100-same-prompt{_suffix}"] = Generator(SAME_PROMPT, pooled(_table))
+GENERATORS["fidelity-h100-same-prompt-1-client"] = Generator(
+    SAME_PROMPT,
+    lambda results: loadtest_fidelity.paired_by_command_table(list(results.items()), 1),  # type: ignore[attr-defined]
+    by_name=True,
+)
+
 # The README's sample of the headless experiments (docs/loadtest/experiments-cpu/run-N.json).
 GENERATORS["experiments-cpu"] = Generator("docs/loadtest/experiments-cpu", experiments_sample)  # type: ignore[arg-type]
 GENERATORS["goodput-h100"] = Generator("docs/loadtest/goodput-h100.json", goodput_report)  # type: ignore[arg-type]
