@@ -224,9 +224,17 @@ for _stem in (
 
 
 # One lease's ladder, run as several commands (a level or a few each): one table.
-def merged(table: Callable[[dict], str]) -> Callable[[object], str]:
+def merged(table: Callable[[dict], str], pool_levels: bool = False) -> Callable[[object], str]:
     """A fidelity table of a folder's results read as one (loadtest_fidelity.merge_results)."""
-    return lambda parts: table(loadtest_fidelity.merge_results(parts))  # type: ignore[arg-type]
+    return lambda parts: table(loadtest_fidelity.merge_results(parts, pool_levels))  # type: ignore[arg-type]
+
+
+# The tables of a fidelity ladder run as several commands (each level's repeats pooled).
+LADDER_TABLES = (
+    ("", loadtest_fidelity.repeats_table),
+    ("-paired", loadtest_fidelity.paired_table),
+    ("-server", loadtest_fidelity.server_view_table),
+)
 
 
 for _folder in ("fidelity-h100-pooled", "fidelity-h100-first-wave"):
@@ -284,28 +292,14 @@ def greedy_ladder(table: Callable[[dict], str]) -> Callable[[object], str]:
 
 
 GENERATORS["fidelity-h100-greedy-ab"] = Generator(GREEDY, sampling_ab)  # type: ignore[arg-type]
-for _suffix, _table in (
-    ("", loadtest_fidelity.repeats_table),
-    ("-paired", loadtest_fidelity.paired_table),
-    ("-server", loadtest_fidelity.server_view_table),
-):
+for _suffix, _table in LADDER_TABLES:
     GENERATORS[f"fidelity-h100-greedy{_suffix}"] = Generator(GREEDY, greedy_ladder(_table))
 
 # Both clients sending the same requests (bench greedy, with the harness's prompt): the ladder run
 # twice and 1 client once more with 6 repeats, every command pooled; and 1 client by command.
 SAME_PROMPT = "docs/loadtest/fidelity-h100-same-prompt"
-
-
-def pooled(table: Callable[[dict], str]) -> Callable[[object], str]:
-    return lambda results: table(loadtest_fidelity.merge_results(results, pool_levels=True))  # type: ignore[arg-type]
-
-
-for _suffix, _table in (
-    ("", loadtest_fidelity.repeats_table),
-    ("-paired", loadtest_fidelity.paired_table),
-    ("-server", loadtest_fidelity.server_view_table),
-):
-    GENERATORS[f"fidelity-h100-same-prompt{_suffix}"] = Generator(SAME_PROMPT, pooled(_table))
+for _suffix, _table in LADDER_TABLES:
+    GENERATORS[f"fidelity-h100-same-prompt{_suffix}"] = Generator(SAME_PROMPT, merged(_table, pool_levels=True))
 GENERATORS["fidelity-h100-same-prompt-1-client"] = Generator(
     SAME_PROMPT,
     lambda results: loadtest_fidelity.paired_by_command_table(list(results.items()), 1),  # type: ignore[attr-defined]

@@ -390,6 +390,11 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
     }
 
 
+def target_met(pct: float | None, target: float | None) -> bool | None:
+    """Whether a difference in % is within its target; None where there is no target or no figure."""
+    return None if target is None or pct is None else abs(pct) <= target
+
+
 def summarize_level(level: int, runs: list[dict]) -> dict:
     summary: dict = {"concurrency": level, "repeats": len(runs)}
     for key in {key for run in runs for key in run if key.startswith(("harness_", "bench_", "vllm_"))}:
@@ -407,7 +412,7 @@ def summarize_level(level: int, runs: list[dict]) -> dict:
             "harness_vs_bench_pct": pct,
             "beyond_spread": beyond,
             "target_pct": target,
-            "met": None if target is None or pct is None else abs(pct) <= target,
+            "met": target_met(pct, target),
         }
     for name, harness_key, bench_key, target in COMPARED + SERVER_COMPARED:
         pairs = [
@@ -420,7 +425,7 @@ def summarize_level(level: int, runs: list[dict]) -> dict:
             "harness_vs_bench_pct": percents.as_dict(),
             "beyond_spread": beyond,
             "target_pct": target,
-            "met": None if target is None or percents.p50 is None else abs(percents.p50) <= target,
+            "met": target_met(percents.p50, target),
         }
     return summary
 
@@ -525,6 +530,7 @@ def repeats_table(data: dict) -> str:
 
 
 PAIRED_NAMES = [name for name, *_ in COMPARED + SERVER_COMPARED]
+PAIRED_HEADERS = [f"{name}, harness vs bench" for name in PAIRED_NAMES]
 
 
 def paired_cell(compared: dict | None) -> str:
@@ -536,6 +542,11 @@ def paired_cell(compared: dict | None) -> str:
     if compared["met"] is not None:
         text += " met" if compared["met"] else " missed"
     return text
+
+
+def paired_cells(paired: dict) -> list[str]:
+    """One paired_cell per figure, in PAIRED_HEADERS' order."""
+    return [paired_cell(paired.get(name)) for name in PAIRED_NAMES]
 
 
 def paired_table(data: dict) -> str:
@@ -550,8 +561,8 @@ def paired_table(data: dict) -> str:
             entry.get("paired")
             or summarize_level(level, [r for r in data["runs"] if r["concurrency"] == level])["paired"]
         )
-        rows.append([str(level), str(entry["repeats"]), *(paired_cell(paired.get(name)) for name in PAIRED_NAMES)])
-    return md_table(["Clients", "Repeats", *(f"{name}, harness vs bench" for name in PAIRED_NAMES)], rows)
+        rows.append([str(level), str(entry["repeats"]), *paired_cells(paired)])
+    return md_table(["Clients", "Repeats", *PAIRED_HEADERS], rows)
 
 
 def paired_by_command_table(named: list[tuple[str, dict]], level: int) -> str:
@@ -562,8 +573,8 @@ def paired_by_command_table(named: list[tuple[str, dict]], level: int) -> str:
         runs = [run for run in data["runs"] if run["concurrency"] == level]
         if runs:
             paired = summarize_level(level, runs)["paired"]
-            rows.append([name, str(len(runs)), *(paired_cell(paired.get(figure)) for figure in PAIRED_NAMES)])
-    return md_table(["Command", "Repeats", *(f"{figure}, harness vs bench" for figure in PAIRED_NAMES)], rows)
+            rows.append([name, str(len(runs)), *paired_cells(paired)])
+    return md_table(["Command", "Repeats", *PAIRED_HEADERS], rows)
 
 
 def bench_sampling(data: dict) -> str:
@@ -589,9 +600,9 @@ def sampling_table(results: list[dict]) -> str:
         lower = sum(1 for run in runs if run["harness_throughput_tok_s"] < run["bench_throughput_tok_s"])
         bench_tps = [run["bench_throughput_tok_s"] for run in runs]
         row = [str(level), sampling, str(len(runs)), median_range_of(bench_tps, 0), f"{lower} of {len(runs)}"]
-        rows.append(row + [paired_cell(paired.get(name)) for name in PAIRED_NAMES])
+        rows.append(row + paired_cells(paired))
     headers = ["Clients", "bench sampling", "Repeats", "bench output tok/s", "harness tok/s below bench's in"]
-    return md_table(headers + [f"{name}, harness vs bench" for name in PAIRED_NAMES], rows)
+    return md_table(headers + PAIRED_HEADERS, rows)
 
 
 def mean_in_flight(run: dict, side: str, max_tokens: int) -> float | None:
