@@ -38,13 +38,18 @@ def parse_levels(text: str, what: str = "concurrency levels") -> list[int]:
 
 
 def parse_rates(text: str) -> list[float]:
-    """Offered request rates (requests/s), comma-separated."""
+    """Offered request rates (requests/s), comma-separated, each once."""
     try:
         rates = [float(part) for part in text.replace(" ", "").split(",") if part]
     except ValueError:
         raise SettingsError(f"request rates must be comma-separated numbers, got {text!r}") from None
     if not rates or any(not rate > 0 or rate == float("inf") for rate in rates):
         raise SettingsError(f"request rates must be positive numbers, got {text!r}")
+    # A step's records are tagged by its rate: a rate given twice would merge two steps in one row.
+    repeated = sorted({rate for rate in rates if rates.count(rate) > 1})
+    if repeated:
+        given = ", ".join(f"{rate:g}" for rate in repeated)
+        raise SettingsError(f"request rates give {given} more than once: each rate is one step and one row")
     return rates
 
 
