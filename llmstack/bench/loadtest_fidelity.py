@@ -16,11 +16,14 @@ paired table gives the difference within each repeat, which a drift of the serve
 does not widen: it counts only where every repeat differs the same way. A third table gives the
 server's view: how many requests each client kept in flight on average (Little's law, from its
 own figures) and vLLM's histograms over each client's requests, so a client that offered less
-load than its level shows.
+load than its level shows. A fourth gives each client against vLLM's histograms over its own
+requests (what the client adds to the server's time), which a change of the server between the two
+runs of a repeat moves alike on both sides and so does not touch.
 Where the clients and vLLM share this host's network (--vllm-url), every run also records the
 kernel's SYN retransmissions and listen-queue overflows (a dropped connection costs its client 1 s).
 The harness spreads its clients over --workers processes (loadtest.distributed). --json for
-machine-readable output, --output to a file.
+machine-readable output, --output to a file (rewritten after each repeat, "complete": false until
+the last, so a command stopped at a time limit keeps the repeats it finished).
 
 Two places to run it:
   the compose stack (default): the harness in the locust-master container, `vllm bench serve`
@@ -368,7 +371,18 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
                     entry.update({f"{client}_{key}": n for key, n in tcp_delta(tcp_before, tcp_counters()).items()})
             runs.append(entry)
             progress(f"concurrency {level}, repeat {repeat + 1}: done after {time.monotonic() - started:.0f} s")
+            if args.output:
+                # Each finished repeat kept at once: a command stopped at a time limit loses only the repeat it was in.
+                partial = repeats_result(args, runs, prompt, started, complete=False)
+                Path(args.output).write_text(json.dumps(partial, indent=2) + "\n")
+    return repeats_result(args, runs, prompt, started, complete=True)
+
+
+def repeats_result(args: argparse.Namespace, runs: list[dict], prompt: str, started: float, complete: bool) -> dict:
+    """measure_repeats' result from the runs so far; "complete" is false until every repeat ran."""
+    levels = [level for level in args.levels if any(run["concurrency"] == level for run in runs)]
     return {
+        "complete": complete,
         "environment": {
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "client_cpus": os.cpu_count(),
@@ -376,7 +390,7 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
             "duration_s": round(time.monotonic() - started, 1),
         },
         "settings": {
-            "levels": args.levels,
+            "levels": levels,
             "repeats": args.repeats,
             "requests_per_client": args.requests_per_client,
             "min_requests": args.min_requests,
@@ -386,7 +400,7 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
             "bench_prompt": prompt,
         },
         "runs": runs,
-        "levels": [summarize_level(level, [r for r in runs if r["concurrency"] == level]) for level in args.levels],
+        "levels": [summarize_level(level, [r for r in runs if r["concurrency"] == level]) for level in levels],
     }
 
 
@@ -577,6 +591,29 @@ def paired_by_command_table(named: list[tuple[str, dict]], level: int) -> str:
     return md_table(["Command", "Repeats", *PAIRED_HEADERS], rows)
 
 
+# Figures of one repeat, harness against bench, where the client's and the server's views sit side by side.
+RUN_COMPARED = (
+    ("output tok/s", "harness_throughput_tok_s", "bench_throughput_tok_s"),
+    ("client TPOT mean", "harness_tpot_ms", "bench_tpot_ms"),
+    ("vLLM hist TPOT mean", "vllm_hist_tpot_ms", "bench_vllm_tpot_ms"),
+    ("client TTFT mean", "harness_ttft_ms", "bench_ttft_ms"),
+    ("vLLM hist TTFT mean", "vllm_hist_ttft_ms", "bench_vllm_ttft_ms"),
+)
+
+
+def runs_by_command_table(named: list[tuple[str, dict]], level: int) -> str:
+    """One level's repeats one by one, harness against bench in %: whether a client's figure moved
+    with vLLM's histogram over its requests (the server) or apart from it (the client)."""
+    rows = []
+    for name, data in named:
+        for run in (run for run in data["runs"] if run["concurrency"] == level):
+            pcts = [diff_pct(run.get(harness), run.get(bench)) for _, harness, bench in RUN_COMPARED]
+            cells = ["-" if pct is None else f"{pct:+.1f}%" for pct in pcts]
+            rows.append([name, str(run["repeat"] + 1), run["order"][0], *cells])
+    headers = ["Command", "Repeat", "first"] + [f"{figure}, harness vs bench" for figure, _, _ in RUN_COMPARED]
+    return md_table(headers, rows)
+
+
 def bench_sampling(data: dict) -> str:
     """How `vllm bench serve` sampled in a result: as the harness (greedy) since bench_temperature
     was recorded; before, it sent no temperature and the served model's default applied."""
@@ -686,6 +723,67 @@ def ttft_deciles_table(data: dict) -> str:
     return md_table(["Clients", "client", *(f"p{q} ms" for q in range(10, 100, 10))], rows)
 
 
+# Each client against vLLM's histogram over that client's own requests in the same run: what the
+# client adds to the server's time. The server's drift between two runs moves a client's figure
+# and its histogram alike, so it cancels here, unlike in harness against bench. (figure, the
+# client's key and the histogram's key after "harness_"/"bench_", in percent rather than ms)
+AGAINST_SERVER = (
+    ("TTFT mean", "ttft_ms", "vllm_ttft_ms", False),
+    ("TPOT mean", "tpot_ms", "vllm_tpot_ms", True),
+)
+
+
+def over_server(run: dict, side: str, client_key: str, hist_key: str, in_percent: bool) -> float | None:
+    """One client's figure over vLLM's histogram of its requests: in ms, or in % of the histogram."""
+    client = run.get(f"{side}_{client_key}")
+    # The harness's histogram keys predate bench's naming: vllm_hist_* rather than harness_vllm_*.
+    hist = run.get(f"{side}_{hist_key}" if side == "bench" else hist_key.replace("vllm_", "vllm_hist_"))
+    if client is None or not hist:
+        return None
+    return (client / hist - 1) * 100 if in_percent else client - hist
+
+
+def signed_range(values: list[float], digits: int) -> str:
+    """median (min to max), "~" where the values go both ways (no difference)."""
+    if not values:
+        return "-"
+    s = spread(values)
+    both_ways = (s.min or 0.0) <= 0 <= (s.max or 0.0)
+    return f"{s.p50:+.{digits}f} ({s.min:+.{digits}f} to {s.max:+.{digits}f})" + (" ~" if both_ways else "")
+
+
+def against_server_table(data: dict) -> str:
+    """Per level, median (min to max) over the repeats: each client's TTFT mean over vLLM's TTFT
+    histogram of its own requests (ms) and its TPOT mean over the TPOT histogram (%), and the
+    harness's excess minus bench's within each repeat ("~": both ways, no difference)."""
+    rows = []
+    for level in data["settings"]["levels"]:
+        runs = [run for run in data["runs"] if run["concurrency"] == level]
+        row = [str(level), str(len(runs))]
+        for _, client_key, hist_key, in_percent in AGAINST_SERVER:
+            digits = 1 if in_percent else 2
+            sides = {
+                side: [over_server(run, side, client_key, hist_key, in_percent) for run in runs]
+                for side in ("harness", "bench")
+            }
+            for side in ("harness", "bench"):
+                row.append(median_range_of([v for v in sides[side] if v is not None], digits))
+            pairs = [
+                h - b for h, b in zip(sides["harness"], sides["bench"], strict=True) if h is not None and b is not None
+            ]
+            row.append(signed_range(pairs, digits))
+        rows.append(row)
+    headers = ["Clients", "Repeats"]
+    for name, _, _, in_percent in AGAINST_SERVER:
+        unit = "%" if in_percent else "ms"
+        headers += [
+            f"harness {name} over vLLM hist, {unit}",
+            f"bench {name} over vLLM hist, {unit}",
+            f"harness minus bench, {'points' if in_percent else 'ms'}",
+        ]
+    return md_table(headers, rows)
+
+
 TABLE_COLUMNS = (  # (header, key, digits)
     ("Clients", "concurrency", 0),
     ("Harness TTFT", "harness_ttft_ms", 2),
@@ -756,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
         data = measure_repeats(target, args, model["id"], model.get("root") or model["id"])
         if args.output:
             Path(args.output).write_text(json.dumps(data, indent=2) + "\n")
-        tables = [repeats_table(data), paired_table(data), server_view_table(data)]
+        tables = [repeats_table(data), paired_table(data), server_view_table(data), against_server_table(data)]
         if any(run.get("harness_ttft_deciles_ms") for run in data["runs"]):
             tables.append(ttft_deciles_table(data))
         print(json.dumps(data, indent=2) if args.json else "\n\n".join(tables))

@@ -619,6 +619,70 @@ def test_fidelity_reads_the_kernels_tcp_counters_and_merges_results(tmp_path):
             loadtest_fidelity.merge_results(parts)
 
 
+def test_fidelity_keeps_each_finished_repeat_when_a_command_is_stopped(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from llmstack.bench import loadtest_fidelity
+
+    def harness(target, args, level):
+        if level == 64:
+            raise KeyboardInterrupt  # as a time limit's signal, in the second level's first repeat
+        check = {
+            "client_ttft_mean_ms": 30.0,
+            "client_tpot_mean_ms": 2.0,
+            "vllm_ttft_mean_ms": 25.0,
+            "vllm_tpot_mean_ms": 1.9,
+        }
+        return {"row": {"throughput_tok_s": 900.0}, "check": check, "loader_processes": 1, "prompt": "p"}
+
+    monkeypatch.setattr(loadtest_fidelity, "harness_level", harness)
+    monkeypatch.setattr(loadtest_fidelity, "bench_serve", lambda *_: {"throughput_tok_s": 1000.0, "ttft_ms": 29.0})
+    output = tmp_path / "result.json"
+    args = loadtest_fidelity.parse_args(["--levels", "8,64", "--output", str(output)])
+    with pytest.raises(KeyboardInterrupt):
+        loadtest_fidelity.measure_repeats(SimpleNamespace(on_loopback=False), args, "m", "m")
+    kept = json.loads(output.read_text())
+    assert kept["complete"] is False and kept["settings"]["levels"] == [8] and len(kept["runs"]) == 3
+    assert [level["concurrency"] for level in kept["levels"]] == [8] and kept["levels"][0]["repeats"] == 3
+    # A stopped command's file reads as any other: its finished level merges and renders.
+    assert "| 8 | 1 |" in loadtest_fidelity.repeats_table(loadtest_fidelity.merge_results([kept]))
+
+
+def test_fidelity_against_the_server_takes_each_clients_excess_over_its_own_histogram():
+    from llmstack.bench import loadtest_fidelity
+
+    # The server slowed by 30 % in the harness's half of one repeat: the harness against bench says
+    # +30 %, each client against vLLM's record of its own requests says what the client adds.
+    runs = [
+        {
+            "concurrency": 8,
+            "harness_ttft_ms": 26.0 * slow,
+            "vllm_hist_ttft_ms": 20.0 * slow,
+            "bench_ttft_ms": 26.5,
+            "bench_vllm_ttft_ms": 20.0,
+            "harness_tpot_ms": 2.04 * slow,
+            "vllm_hist_tpot_ms": 2.0 * slow,
+            "bench_tpot_ms": 2.02,
+            "bench_vllm_tpot_ms": 2.0,
+        }
+        for slow in (1.0, 1.3, 1.0)
+    ]
+    assert loadtest_fidelity.over_server(runs[1], "harness", "tpot_ms", "vllm_tpot_ms", True) == pytest.approx(2.0)
+    assert loadtest_fidelity.over_server(runs[1], "bench", "ttft_ms", "vllm_ttft_ms", False) == pytest.approx(6.5)
+    assert loadtest_fidelity.over_server({"harness_tpot_ms": 2.0}, "harness", "tpot_ms", "vllm_tpot_ms", True) is None
+    table = loadtest_fidelity.against_server_table({"settings": {"levels": [8]}, "runs": runs})
+    # TTFT: the harness adds 6.0 ms (7.8 in the slow repeat), bench 6.5: both ways, so "~".
+    assert "| 8 | 3 | 6.00 (6.00–7.80) | 6.50 (6.50–6.50) | -0.50 (-0.50 to +1.30) ~ |" in table
+    # TPOT: +2.0 % against +1.0 % in every repeat: a difference of one point, the same way each time.
+    assert table.endswith("| 2.0 (2.0–2.0) | 1.0 (1.0–1.0) | +1.0 (+1.0 to +1.0) |")
+    assert loadtest_fidelity.signed_range([], 1) == "-"
+    by_repeat = loadtest_fidelity.runs_by_command_table(
+        [("a.json", {"runs": [run | {"repeat": i, "order": ["harness", "bench"]} for i, run in enumerate(runs)]})], 8
+    )
+    # The slow repeat: the client's TPOT against bench's moved with vLLM's histogram over its requests.
+    assert "| a.json | 2 | harness | - | +31.3% | +30.0% | +27.5% | +30.0% |" in by_repeat
+
+
 def test_fidelity_results_of_one_level_pool_their_repeats_and_the_connections_table_keeps_run_order():
     from llmstack.bench import loadtest_fidelity
 
