@@ -295,15 +295,30 @@ GENERATORS["fidelity-h100-greedy-ab"] = Generator(GREEDY, sampling_ab)  # type: 
 for _suffix, _table in LADDER_TABLES:
     GENERATORS[f"fidelity-h100-greedy{_suffix}"] = Generator(GREEDY, greedy_ladder(_table))
 
+
+def by_command(folder: str, table: Callable[[list[tuple[str, dict]], int], str], level: int) -> Generator:
+    """A table of one level, command by command: a folder's results read with their file names."""
+    return Generator(folder, lambda results: table(list(results.items()), level), by_name=True)  # type: ignore[attr-defined]
+
+
+# With both clients sending the same requests, each client against vLLM's record of its own ones too.
+SAME_REQUESTS_TABLES = (*LADDER_TABLES, ("-against-server", loadtest_fidelity.against_server_table))
+
 # Both clients sending the same requests (bench greedy, with the harness's prompt): the ladder run
 # twice and 1 client once more with 6 repeats, every command pooled; and 1 client by command.
 SAME_PROMPT = "docs/loadtest/fidelity-h100-same-prompt"
-for _suffix, _table in LADDER_TABLES:
+for _suffix, _table in SAME_REQUESTS_TABLES:
     GENERATORS[f"fidelity-h100-same-prompt{_suffix}"] = Generator(SAME_PROMPT, merged(_table, pool_levels=True))
-GENERATORS["fidelity-h100-same-prompt-1-client"] = Generator(
-    SAME_PROMPT,
-    lambda results: loadtest_fidelity.paired_by_command_table(list(results.items()), 1),  # type: ignore[attr-defined]
-    by_name=True,
+GENERATORS["fidelity-h100-same-prompt-1-client"] = by_command(SAME_PROMPT, loadtest_fidelity.paired_by_command_table, 1)
+
+# Runs 15 to 30 times as long (8 and 64 clients, 960 and 3,840 requests a run): the ladder's
+# tables, each client against the server, and 8 clients by command and by repeat.
+LONG_RUNS = "docs/loadtest/fidelity-h100-long-runs"
+for _suffix, _table in SAME_REQUESTS_TABLES:
+    GENERATORS[f"fidelity-h100-long-runs{_suffix}"] = Generator(LONG_RUNS, merged(_table, pool_levels=True))
+GENERATORS["fidelity-h100-long-runs-8-clients"] = by_command(LONG_RUNS, loadtest_fidelity.paired_by_command_table, 8)
+GENERATORS["fidelity-h100-long-runs-8-clients-by-repeat"] = by_command(
+    LONG_RUNS, loadtest_fidelity.runs_by_command_table, 8
 )
 
 # The README's sample of the headless experiments (docs/loadtest/experiments-cpu/run-N.json).
