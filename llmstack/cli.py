@@ -145,7 +145,11 @@ def results_path(name: str, directory: Path | None = None) -> Path:
 
 
 def write_json(path: Path, data: object) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    """Written beside, then renamed over: a process stopped mid-write leaves the old file, never half a new one."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(partial, path)
 
 
 def load_pyplot() -> Any:

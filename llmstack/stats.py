@@ -103,8 +103,12 @@ def paired_difference(pairs: Iterable[tuple[float, float]]) -> tuple[Spread, boo
     only when every pair differs the same way (its range leaves out zero); otherwise "none".
     """
     percents = spread((second - first) / first * 100 for first, second in pairs if first)
-    beyond = percents.n > 0 and ((percents.min or 0.0) > 0 or (percents.max or 0.0) < 0)
-    return percents, beyond
+    return percents, one_way(percents)
+
+
+def one_way(differences: Spread) -> bool:
+    """Whether signed differences (one per repeat) all go the same way: their range leaves out zero."""
+    return differences.n > 0 and ((differences.min or 0.0) > 0 or (differences.max or 0.0) < 0)
 
 
 def percentiles(values: Iterable[float], qs: Iterable[float], scale: float = 1.0) -> dict[str, float | None]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from llmstack import cli
 from llmstack.cli import UsageError
+from loadtest.goodput import rate_label
 
 LAB_PROMPT = "Please describe the inference process of large language models in three sentences"
 DEFAULT_LEVELS = (1, 2, 4, 8)
@@ -45,10 +46,11 @@ def parse_rates(text: str) -> list[float]:
         raise SettingsError(f"request rates must be comma-separated numbers, got {text!r}") from None
     if not rates or any(not rate > 0 or rate == float("inf") for rate in rates):
         raise SettingsError(f"request rates must be positive numbers, got {text!r}")
-    # A step's records are tagged by its rate: a rate given twice would merge two steps in one row.
-    repeated = sorted({rate for rate in rates if rates.count(rate) > 1})
+    # A step's records are tagged by its rate's label: two rates with one label would merge two steps in one row.
+    labels = [rate_label(rate) for rate in rates]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
     if repeated:
-        given = ", ".join(f"{rate:g}" for rate in repeated)
+        given = ", ".join(label.removeprefix("rate ") for label in repeated)
         raise SettingsError(f"request rates give {given} more than once: each rate is one step and one row")
     return rates
 

@@ -50,10 +50,27 @@ from pathlib import Path
 
 from llmstack import REPO_ROOT
 from llmstack.bench.gateway_report import md_table, median_range, median_range_of
-from llmstack.cli import StackError, UsageError, add_json_argument, main_exit, parse_levels, parser_from_doc, progress
+from llmstack.cli import (
+    StackError,
+    UsageError,
+    add_json_argument,
+    main_exit,
+    parse_levels,
+    parser_from_doc,
+    progress,
+    write_json,
+)
 from llmstack.promtext import Snapshot
 from llmstack.sse import TEMPERATURE
-from llmstack.stats import deciles, difference, first_wave_split, mean_in_flight_by_part, paired_difference, spread
+from llmstack.stats import (
+    deciles,
+    difference,
+    first_wave_split,
+    mean_in_flight_by_part,
+    one_way,
+    paired_difference,
+    spread,
+)
 from llmstack.vllm import VLLM_PORT, ComposeStack, HostVllm, add_stack_arguments, served_model, stack_from_args
 
 PROG = "loadtest_fidelity.py"
@@ -373,8 +390,7 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
             progress(f"concurrency {level}, repeat {repeat + 1}: done after {time.monotonic() - started:.0f} s")
             if args.output:
                 # Each finished repeat kept at once: a command stopped at a time limit loses only the repeat it was in.
-                partial = repeats_result(args, runs, prompt, started, complete=False)
-                Path(args.output).write_text(json.dumps(partial, indent=2) + "\n")
+                write_json(Path(args.output), repeats_result(args, runs, prompt, started, complete=False))
     return repeats_result(args, runs, prompt, started, complete=True)
 
 
@@ -390,7 +406,8 @@ def repeats_result(args: argparse.Namespace, runs: list[dict], prompt: str, star
             "duration_s": round(time.monotonic() - started, 1),
         },
         "settings": {
-            "levels": levels,
+            "levels": levels,  # those measured so far
+            "levels_asked": args.levels,
             "repeats": args.repeats,
             "requests_per_client": args.requests_per_client,
             "min_requests": args.min_requests,
@@ -467,6 +484,8 @@ def merge_results(parts: list[dict], pool_levels: bool = False) -> dict:
         summaries = [summarize_level(level, [run for run in runs if run["concurrency"] == level]) for level in levels]
     repeats = {part["settings"]["repeats"] for part in parts}
     return {
+        # Files from before "complete" was written are complete: they were written only at the end.
+        "complete": all(part.get("complete", True) for part in parts),
         "environment": parts[0]["environment"],
         # Repeats per command where the commands agree; else None (each level says its own).
         "settings": {**parts[0]["settings"], "levels": levels, "repeats": repeats.pop() if len(repeats) == 1 else None},
@@ -551,8 +570,7 @@ def paired_cell(compared: dict | None) -> str:
     """median% (min to max), "~" where the repeats differ both ways, then the target's verdict."""
     if not compared or compared["harness_vs_bench_pct"]["p50"] is None:
         return "-"
-    pct = compared["harness_vs_bench_pct"]
-    text = f"{pct['p50']:+.1f}% ({pct['min']:+.1f} to {pct['max']:+.1f})" + ("" if compared["beyond_spread"] else " ~")
+    text = signed_range(compared["harness_vs_bench_pct"], compared["beyond_spread"], 1, "%")
     if compared["met"] is not None:
         text += " met" if compared["met"] else " missed"
     return text
@@ -591,14 +609,10 @@ def paired_by_command_table(named: list[tuple[str, dict]], level: int) -> str:
     return md_table(["Command", "Repeats", *PAIRED_HEADERS], rows)
 
 
-# Figures of one repeat, harness against bench, where the client's and the server's views sit side by side.
-RUN_COMPARED = (
-    ("output tok/s", "harness_throughput_tok_s", "bench_throughput_tok_s"),
-    ("client TPOT mean", "harness_tpot_ms", "bench_tpot_ms"),
-    ("vLLM hist TPOT mean", "vllm_hist_tpot_ms", "bench_vllm_tpot_ms"),
-    ("client TTFT mean", "harness_ttft_ms", "bench_ttft_ms"),
-    ("vLLM hist TTFT mean", "vllm_hist_ttft_ms", "bench_vllm_ttft_ms"),
-)
+# (harness key, bench key) of each figure that COMPARED and SERVER_COMPARED name.
+KEYS = {name: (harness_key, bench_key) for name, harness_key, bench_key, _ in COMPARED + SERVER_COMPARED}
+# Figures of one repeat, harness against bench, each client's beside vLLM's histogram of its requests.
+RUN_COMPARED = ("output tok/s", "TPOT mean ms", "vLLM hist TPOT mean ms", "TTFT mean ms", "vLLM hist TTFT mean ms")
 
 
 def runs_by_command_table(named: list[tuple[str, dict]], level: int) -> str:
@@ -607,10 +621,10 @@ def runs_by_command_table(named: list[tuple[str, dict]], level: int) -> str:
     rows = []
     for name, data in named:
         for run in (run for run in data["runs"] if run["concurrency"] == level):
-            pcts = [diff_pct(run.get(harness), run.get(bench)) for _, harness, bench in RUN_COMPARED]
+            pcts = [diff_pct(run.get(KEYS[figure][0]), run.get(KEYS[figure][1])) for figure in RUN_COMPARED]
             cells = ["-" if pct is None else f"{pct:+.1f}%" for pct in pcts]
             rows.append([name, str(run["repeat"] + 1), run["order"][0], *cells])
-    headers = ["Command", "Repeat", "first"] + [f"{figure}, harness vs bench" for figure, _, _ in RUN_COMPARED]
+    headers = ["Command", "Repeat", "first"] + [f"{figure}, harness vs bench" for figure in RUN_COMPARED]
     return md_table(headers, rows)
 
 
@@ -724,32 +738,32 @@ def ttft_deciles_table(data: dict) -> str:
 
 
 # Each client against vLLM's histogram over that client's own requests in the same run: what the
-# client adds to the server's time. The server's drift between two runs moves a client's figure
-# and its histogram alike, so it cancels here, unlike in harness against bench. (figure, the
-# client's key and the histogram's key after "harness_"/"bench_", in percent rather than ms)
+# client adds to the server's time. A change of the server between the two runs of a repeat moves a
+# client's figure and its histogram alike, so it largely cancels here, unlike in harness against
+# bench. (figure, the client's and the histogram's names in KEYS, in percent rather than ms)
 AGAINST_SERVER = (
-    ("TTFT mean", "ttft_ms", "vllm_ttft_ms", False),
-    ("TPOT mean", "tpot_ms", "vllm_tpot_ms", True),
+    ("TTFT mean", "TTFT mean ms", "vLLM hist TTFT mean ms", False),
+    ("TPOT mean", "TPOT mean ms", "vLLM hist TPOT mean ms", True),
 )
+SIDES = ("harness", "bench")  # the order of KEYS' pairs
 
 
-def over_server(run: dict, side: str, client_key: str, hist_key: str, in_percent: bool) -> float | None:
+def over_server(run: dict, side: str, figure: str, histogram: str, in_percent: bool) -> float | None:
     """One client's figure over vLLM's histogram of its requests: in ms, or in % of the histogram."""
-    client = run.get(f"{side}_{client_key}")
-    # The harness's histogram keys predate bench's naming: vllm_hist_* rather than harness_vllm_*.
-    hist = run.get(f"{side}_{hist_key}" if side == "bench" else hist_key.replace("vllm_", "vllm_hist_"))
-    if client is None or not hist:
-        return None
-    return (client / hist - 1) * 100 if in_percent else client - hist
+    index = SIDES.index(side)
+    client, hist = run.get(KEYS[figure][index]), run.get(KEYS[histogram][index])
+    if in_percent:
+        return diff_pct(client, hist)
+    return None if client is None or hist is None else client - hist
 
 
-def signed_range(values: list[float], digits: int) -> str:
-    """median (min to max), "~" where the values go both ways (no difference)."""
-    if not values:
+def signed_range(cell: dict, one_way_mark: bool | None, digits: int, unit: str = "") -> str:
+    """A Spread's dict of signed figures as "median (min to max)"; with one_way_mark False, " ~"
+    (the repeats differ both ways: no difference); None marks nothing."""
+    if cell.get("p50") is None:
         return "-"
-    s = spread(values)
-    both_ways = (s.min or 0.0) <= 0 <= (s.max or 0.0)
-    return f"{s.p50:+.{digits}f} ({s.min:+.{digits}f} to {s.max:+.{digits}f})" + (" ~" if both_ways else "")
+    text = f"{cell['p50']:+.{digits}f}{unit} ({cell['min']:+.{digits}f} to {cell['max']:+.{digits}f})"
+    return text + (" ~" if one_way_mark is False else "")
 
 
 def against_server_table(data: dict) -> str:
@@ -760,18 +774,13 @@ def against_server_table(data: dict) -> str:
     for level in data["settings"]["levels"]:
         runs = [run for run in data["runs"] if run["concurrency"] == level]
         row = [str(level), str(len(runs))]
-        for _, client_key, hist_key, in_percent in AGAINST_SERVER:
+        for _, figure, histogram, in_percent in AGAINST_SERVER:
             digits = 1 if in_percent else 2
-            sides = {
-                side: [over_server(run, side, client_key, hist_key, in_percent) for run in runs]
-                for side in ("harness", "bench")
-            }
-            for side in ("harness", "bench"):
-                row.append(median_range_of([v for v in sides[side] if v is not None], digits))
-            pairs = [
-                h - b for h, b in zip(sides["harness"], sides["bench"], strict=True) if h is not None and b is not None
-            ]
-            row.append(signed_range(pairs, digits))
+            excess = {side: [over_server(run, side, figure, histogram, in_percent) for run in runs] for side in SIDES}
+            for side in SIDES:
+                row.append(signed_range(spread(v for v in excess[side] if v is not None).as_dict(), None, digits))
+            pairs = spread(h - b for h, b in zip(*excess.values(), strict=True) if h is not None and b is not None)
+            row.append(signed_range(pairs.as_dict(), one_way(pairs), digits))
         rows.append(row)
     headers = ["Clients", "Repeats"]
     for name, _, _, in_percent in AGAINST_SERVER:

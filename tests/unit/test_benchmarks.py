@@ -643,6 +643,8 @@ def test_fidelity_keeps_each_finished_repeat_when_a_command_is_stopped(tmp_path,
         loadtest_fidelity.measure_repeats(SimpleNamespace(on_loopback=False), args, "m", "m")
     kept = json.loads(output.read_text())
     assert kept["complete"] is False and kept["settings"]["levels"] == [8] and len(kept["runs"]) == 3
+    assert kept["settings"]["levels_asked"] == [8, 64] and not list(tmp_path.glob(".*.partial"))
+    assert loadtest_fidelity.merge_results([kept])["complete"] is False
     assert [level["concurrency"] for level in kept["levels"]] == [8] and kept["levels"][0]["repeats"] == 3
     # A stopped command's file reads as any other: its finished level merges and renders.
     assert "| 8 | 1 |" in loadtest_fidelity.repeats_table(loadtest_fidelity.merge_results([kept]))
@@ -667,15 +669,24 @@ def test_fidelity_against_the_server_takes_each_clients_excess_over_its_own_hist
         }
         for slow in (1.0, 1.3, 1.0)
     ]
-    assert loadtest_fidelity.over_server(runs[1], "harness", "tpot_ms", "vllm_tpot_ms", True) == pytest.approx(2.0)
-    assert loadtest_fidelity.over_server(runs[1], "bench", "ttft_ms", "vllm_ttft_ms", False) == pytest.approx(6.5)
-    assert loadtest_fidelity.over_server({"harness_tpot_ms": 2.0}, "harness", "tpot_ms", "vllm_tpot_ms", True) is None
+    assert loadtest_fidelity.over_server(
+        runs[1], "harness", "TPOT mean ms", "vLLM hist TPOT mean ms", True
+    ) == pytest.approx(2.0)
+    assert loadtest_fidelity.over_server(
+        runs[1], "bench", "TTFT mean ms", "vLLM hist TTFT mean ms", False
+    ) == pytest.approx(6.5)
+    assert (
+        loadtest_fidelity.over_server(
+            {"harness_tpot_ms": 2.0}, "harness", "TPOT mean ms", "vLLM hist TPOT mean ms", True
+        )
+        is None
+    )
     table = loadtest_fidelity.against_server_table({"settings": {"levels": [8]}, "runs": runs})
     # TTFT: the harness adds 6.0 ms (7.8 in the slow repeat), bench 6.5: both ways, so "~".
-    assert "| 8 | 3 | 6.00 (6.00–7.80) | 6.50 (6.50–6.50) | -0.50 (-0.50 to +1.30) ~ |" in table
+    assert "| 8 | 3 | +6.00 (+6.00 to +7.80) | +6.50 (+6.50 to +6.50) | -0.50 (-0.50 to +1.30) ~ |" in table
     # TPOT: +2.0 % against +1.0 % in every repeat: a difference of one point, the same way each time.
-    assert table.endswith("| 2.0 (2.0–2.0) | 1.0 (1.0–1.0) | +1.0 (+1.0 to +1.0) |")
-    assert loadtest_fidelity.signed_range([], 1) == "-"
+    assert table.endswith("| +2.0 (+2.0 to +2.0) | +1.0 (+1.0 to +1.0) | +1.0 (+1.0 to +1.0) |")
+    assert loadtest_fidelity.signed_range({"p50": None}, True, 1) == "-"
     by_repeat = loadtest_fidelity.runs_by_command_table(
         [("a.json", {"runs": [run | {"repeat": i, "order": ["harness", "bench"]} for i, run in enumerate(runs)]})], 8
     )

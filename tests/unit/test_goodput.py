@@ -90,7 +90,7 @@ def test_a_generator_behind_its_rate_is_no_pass():
 
 def test_rates_labels_and_counts():
     assert parse_rates("0.5, 2,8") == [0.5, 2.0, 8.0]
-    for bad in ("", "x", "0", "-1", "inf", "nan", "2,8,2", "2,2.0"):
+    for bad in ("", "x", "0", "-1", "inf", "nan", "2,8,2", "2,2.0", "1,1.0000001"):
         with pytest.raises(SettingsError):
             parse_rates(bad)
     assert rate_label(2.0) == "rate 2/s" and rate_label(0.5) == "rate 0.5/s"
