@@ -24,8 +24,7 @@ from locust import constant, task
 from urllib3 import PoolManager
 
 from llmstack.sse import COMPLETIONS
-from loadtest.goodput import rate_label
-from loadtest.settings import SettingsError, parse_rates
+from loadtest.settings import SettingsError, parse_rates, rate_label
 from loadtest.steps import SteppedShape
 from loadtest.users import OpenAIUser
 

@@ -32,11 +32,6 @@ class Objective:
         return f"TTFT p95 <= {self.ttft_p95_ms:g} ms and TPOT p95 <= {self.tpot_p95_ms:g} ms, no failed request"
 
 
-def rate_label(rate: float) -> str:
-    """The tag of a rate's requests (Locust's entries and records.csv): 'rate 2.5/s'."""
-    return f"rate {rate:g}/s"
-
-
 def tag_sweep(records: list[RequestRecord], number: int) -> None:
     """Name one sweep's requests in records.csv ('sweep 2, rate 8/s'): the sweeps of a run offer
     the same rates, so the rate alone would not tell them apart."""

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from llmstack import cli
 from llmstack.cli import UsageError
-from loadtest.goodput import rate_label
 
 LAB_PROMPT = "Please describe the inference process of large language models in three sentences"
 DEFAULT_LEVELS = (1, 2, 4, 8)
@@ -36,6 +35,11 @@ def parse_levels(text: str, what: str = "concurrency levels") -> list[int]:
         return cli.parse_levels(text, what)
     except UsageError as exc:
         raise SettingsError(str(exc)) from None
+
+
+def rate_label(rate: float) -> str:
+    """The tag of a rate's requests (Locust's entries and records.csv): 'rate 2.5/s'."""
+    return f"rate {rate:g}/s"
 
 
 def parse_rates(text: str) -> list[float]:

@@ -13,7 +13,6 @@ from loadtest.goodput import (
     Objective,
     RateSearch,
     generator_limited,
-    rate_label,
     rate_row,
     rate_rows,
     repeats_verdict,
@@ -21,7 +20,7 @@ from loadtest.goodput import (
     sweep_rows,
     tag_sweep,
 )
-from loadtest.settings import SettingsError, parse_rates
+from loadtest.settings import SettingsError, parse_rates, rate_label
 
 OBJECTIVE = Objective(ttft_p95_ms=200, tpot_p95_ms=50)
 

@@ -581,3 +581,11 @@ def test_in_flight_and_vllm_samples_are_attributed_to_their_step():
     samples = [(11.0, 11.1, 1.0), (19.9, 20.2, 2.0), (21.0, 21.1, 2.0)]
     assert samples_in_step(windows, samples, 1) == [1.0]
     assert samples_in_step(windows, samples, 2) == [2.0]
+
+
+def test_the_experiments_entry_point_loads_no_ssl_before_locust_patches_it():
+    # gevent must patch ssl before anything imports it; else Locust's first SSL context recurses
+    # without end (RecursionError in SSLContext.minimum_version) inside the Locust image.
+    probe = "import sys, loadtest.experiments; print(sorted({'ssl', 'urllib3', 'requests'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
