@@ -165,17 +165,23 @@ def goodput_report(summary: dict) -> str:
 def experiments_sample(runs: list[dict]) -> str:
     """The README's sample of the headless experiments: what `loadtest.experiments` printed for the
     first of several runs of the same command (from their --json), then how far the runs differ."""
+    return "```text\n" + report.render_tables(runs[0]) + "\n```\n\n" + experiments_spread(runs)
 
-    def figures(pick: Callable[[dict], float | None]) -> str:
-        return " / ".join(f"{value:.0f}" if (value := pick(run)) is not None else "-" for run in runs)
 
-    spread_line = (
+def experiments_spread(runs: list[dict]) -> str:
+    """How far several runs of the headless experiments differ, in one sentence."""
+
+    def figures(pick: Callable[[dict], float | None], digits: int = 0) -> str:
+        return " / ".join(f"{value:.{digits}f}" if (value := pick(run)) is not None else "-" for run in runs)
+
+    return (
         f"The same command {len(runs)} times in a row: client TTFT mean "
         f"{figures(lambda run: run['concurrency']['vllm']['client_ttft_mean_ms'])} ms against vLLM's "
         f"{figures(lambda run: run['concurrency']['vllm']['vllm_ttft_mean_ms'])} ms over the same requests; "
+        f"client TPOT mean {figures(lambda run: run['concurrency']['vllm']['client_tpot_mean_ms'], 2)} ms "
+        f"against vLLM's {figures(lambda run: run['concurrency']['vllm']['vllm_tpot_mean_ms'], 2)} ms; "
         f"streaming TTFT median {figures(lambda run: run['streaming']['median']['ttft_ms'])} ms."
     )
-    return "```text\n" + report.render_tables(runs[0]) + "\n```\n\n" + spread_line
 
 
 GENERATORS: dict[str, Generator] = {
@@ -321,8 +327,33 @@ GENERATORS["fidelity-h100-long-runs-8-clients-by-repeat"] = by_command(
     LONG_RUNS, loadtest_fidelity.runs_by_command_table, 8
 )
 
+# The compose CPU stack (2 cores): the harness in Locust's container, bench in vLLM's, two commands pooled.
+FIDELITY_CPU = "docs/loadtest/fidelity-cpu"
+for _suffix, _table in SAME_REQUESTS_TABLES:
+    GENERATORS[f"fidelity-cpu{_suffix}"] = Generator(FIDELITY_CPU, merged(_table, pool_levels=True))
+
+# The Locust containers' CPU weight on the CPU stack, A/B interleaved (file names: NN-shares-N.json),
+# each setting's commands pooled.
+CPU_SHARES = "docs/loadtest/locust-cpu-shares"
+
+
+def cpu_shares_ab(results: dict[str, dict]) -> str:
+    groups: dict[str, list[dict]] = {}
+    for name, data in results.items():
+        groups.setdefault(name.removesuffix(".json").split("-shares-")[1], []).append(data)
+    return loadtest_fidelity.settings_table(
+        [
+            (f"LOCUST_CPU_SHARES={shares}", loadtest_fidelity.merge_results(parts, pool_levels=True))
+            for shares, parts in sorted(groups.items(), key=lambda item: -int(item[0]))
+        ]
+    )
+
+
+GENERATORS["locust-cpu-shares"] = Generator(CPU_SHARES, cpu_shares_ab, by_name=True)  # type: ignore[arg-type]
 # The README's sample of the headless experiments (docs/loadtest/experiments-cpu/run-N.json).
 GENERATORS["experiments-cpu"] = Generator("docs/loadtest/experiments-cpu", experiments_sample)  # type: ignore[arg-type]
+# The same, before the Locust containers' CPU weight was raised (LOCUST_CPU_SHARES).
+GENERATORS["experiments-cpu-before"] = Generator("docs/loadtest/experiments-cpu-before", experiments_spread)  # type: ignore[arg-type]
 GENERATORS["goodput-h100"] = Generator("docs/loadtest/goodput-h100.json", goodput_report)  # type: ignore[arg-type]
 GENERATORS["goodput-h100-sweeps"] = Generator("docs/loadtest/goodput-h100-sweeps", goodput_sweeps.docs_report)  # type: ignore[arg-type]
 DOCUMENTS = (

@@ -793,6 +793,48 @@ def against_server_table(data: dict) -> str:
     return md_table(headers, rows)
 
 
+def ratio_to_server(run: dict, side: str) -> float | None:
+    """A client's TTFT mean over vLLM's TTFT histogram of the same requests, as a ratio."""
+    pct = over_server(run, side, "TTFT mean ms", "vLLM hist TTFT mean ms", in_percent=True)
+    return None if pct is None else 1 + pct / 100
+
+
+def times(ratio: float) -> str:
+    return f"{ratio:.2f}x"
+
+
+def settings_table(groups: list[tuple[str, dict]], target_ratio: float = 1.25) -> str:
+    """Per setting (a label and its results, merged) and level, median (min-max) over the repeats:
+    the harness's TTFT mean against vLLM's histogram over its requests, as a ratio, with the
+    target's verdict on the median (the CPU stack's: within 25 % at 1 client), bench's ratio beside
+    it, and the harness's TPOT over the histogram."""
+    rows = []
+    for label, data in groups:
+        for level in data["settings"]["levels"]:
+            runs = [run for run in data["runs"] if run["concurrency"] == level]
+            ratios = [r for run in runs if (r := ratio_to_server(run, "harness")) is not None]
+            bench = [r for run in runs if (r := ratio_to_server(run, "bench")) is not None]
+            tpot = [p for run in runs if (p := over_server(run, "harness", *AGAINST_SERVER[1][1:])) is not None]
+            median = spread(ratios).p50
+            verdict = "-" if median is None else ("met" if median <= target_ratio else "missed")
+            rows.append(
+                [
+                    label,
+                    str(level),
+                    str(len(runs)),
+                    median_range_of([run["harness_ttft_ms"] for run in runs if run.get("harness_ttft_ms")], 2),
+                    median_range_of([run["vllm_hist_ttft_ms"] for run in runs if run.get("vllm_hist_ttft_ms")], 2),
+                    median_range_of(ratios, 2, show=times),
+                    verdict,
+                    median_range_of(bench, 2, show=times),
+                    signed_range(spread(tpot).as_dict(), None, 1),
+                ]
+            )
+    headers = ["Setting", "Clients", "Repeats", "harness TTFT mean ms", "vLLM hist TTFT mean ms (its requests)"]
+    headers += ["harness / vLLM hist", f"target <= {target_ratio:g}x", "bench / its vLLM hist"]
+    return md_table([*headers, "harness TPOT mean over vLLM hist, %"], rows)
+
+
 TABLE_COLUMNS = (  # (header, key, digits)
     ("Clients", "concurrency", 0),
     ("Harness TTFT", "harness_ttft_ms", 2),

@@ -694,6 +694,23 @@ def test_fidelity_against_the_server_takes_each_clients_excess_over_its_own_hist
     assert "| a.json | 2 | harness | - | +31.3% | +30.0% | +27.5% | +30.0% |" in by_repeat
 
 
+def test_fidelity_settings_table_gives_the_harness_ttft_against_vllms_as_a_ratio_with_the_target():
+    from llmstack.bench import loadtest_fidelity
+
+    def runs(ttft: float) -> dict:
+        run = {"concurrency": 1, "harness_ttft_ms": ttft, "vllm_hist_ttft_ms": 10.0, "bench_ttft_ms": 12.0}
+        run |= {"bench_vllm_ttft_ms": 10.0, "harness_tpot_ms": 2.0, "vllm_hist_tpot_ms": 2.5}
+        return {"settings": {"levels": [1]}, "runs": [run, run | {"harness_ttft_ms": ttft + 2.0}]}
+
+    table = loadtest_fidelity.settings_table([("fast", runs(11.0)), ("slow", runs(80.0))])
+    fast = (
+        "| fast | 1 | 2 | 12.00 (11.00–13.00) | 10.00 (10.00–10.00) | 1.20x (1.10x–1.30x) | met | 1.20x (1.20x–1.20x) |"
+    )
+    assert fast in table
+    assert "| slow | 1 | 2 | 81.00 (80.00–82.00) | 10.00 (10.00–10.00) | 8.10x (8.00x–8.20x) | missed |" in table
+    assert table.endswith("| -20.0 (-20.0 to -20.0) |") and "target <= 1.25x" in table
+
+
 def test_fidelity_results_of_one_level_pool_their_repeats_and_the_connections_table_keeps_run_order():
     from llmstack.bench import loadtest_fidelity
 
