@@ -24,7 +24,7 @@ from loadtest import goodput, metrics, results
 from loadtest.arrivals import PoissonArrivalUser, RateStepShape
 from loadtest.distributed import LocalWorkers
 from loadtest.metrics import E2E
-from loadtest.settings import Settings
+from loadtest.settings import Settings, rate_label
 from loadtest.step_state import STEP_STATE, StepWindow
 from loadtest.steps import StepLoadShape
 from loadtest.users import (
@@ -292,7 +292,7 @@ class ExperimentRunner:
         while (rate := search.next_rate()) is not None:
             count = goodput.requests_for_rate(rate, seconds, minimum, self.loader_processes)
             shape = RateStepShape([rate], requests_per_step=count)
-            records = self.run_shape(PoissonArrivalUser, shape, goodput.rate_label(rate), count)
+            records = self.run_shape(PoissonArrivalUser, shape, rate_label(rate), count)
             row = goodput.rate_row(rate, records, objective)
             rows.append(row)
             search.record(rate, row["meets_objective"])
