@@ -172,6 +172,11 @@ def save_chart(plt: Any, fig: Any, path: Path) -> None:
     plt.close(fig)
 
 
+def repeated_values(values: list) -> list:
+    """The values given more than once, sorted: a list of steps where each must be one step."""
+    return sorted({value for value in values if values.count(value) > 1})
+
+
 def parse_levels(text: str, what: str = "--levels") -> list[int]:
     """Concurrency levels (concurrent clients): comma-separated positive integers, each once, since
     each level is one step of a run and one row of its table. `what` names the setting in errors."""
@@ -181,7 +186,7 @@ def parse_levels(text: str, what: str = "--levels") -> list[int]:
         raise UsageError(f"{what} must be comma-separated integers, not {text!r}") from None
     if not levels or min(levels) < 1:
         raise UsageError(f"{what} must be positive integers, not {text!r}")
-    repeated = sorted({level for level in levels if levels.count(level) > 1})
+    repeated = repeated_values(levels)
     if repeated:
         raise UsageError(
             f"{what} gives {', '.join(map(str, repeated))} more than once: each level is one step and one row"

@@ -52,7 +52,7 @@ def parse_rates(text: str) -> list[float]:
         raise SettingsError(f"request rates must be positive numbers, got {text!r}")
     # A step's records are tagged by its rate's label: two rates with one label would merge two steps in one row.
     labels = [rate_label(rate) for rate in rates]
-    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    repeated = cli.repeated_values(labels)
     if repeated:
         given = ", ".join(label.removeprefix("rate ") for label in repeated)
         raise SettingsError(f"request rates give {given} more than once: each rate is one step and one row")

@@ -814,7 +814,11 @@ def settings_table(groups: list[tuple[str, dict]], target_ratio: float = 1.25) -
             runs = [run for run in data["runs"] if run["concurrency"] == level]
             ratios = [r for run in runs if (r := ratio_to_server(run, "harness")) is not None]
             bench = [r for run in runs if (r := ratio_to_server(run, "bench")) is not None]
-            tpot = [p for run in runs if (p := over_server(run, "harness", *AGAINST_SERVER[1][1:])) is not None]
+            tpot = [
+                p
+                for run in runs
+                if (p := over_server(run, "harness", "TPOT mean ms", "vLLM hist TPOT mean ms", True)) is not None
+            ]
             median = spread(ratios).p50
             verdict = "-" if median is None else ("met" if median <= target_ratio else "missed")
             rows.append(
