@@ -327,6 +327,30 @@ GENERATORS["fidelity-h100-long-runs-8-clients-by-repeat"] = by_command(
     LONG_RUNS, loadtest_fidelity.runs_by_command_table, 8
 )
 
+# Long runs at 256 and 512 clients (16 requests a client), a command a level with the default
+# loader processes, pooled as a ladder; and 512 again with 8 loader processes, command by command.
+LONG_RUNS_HIGH = "docs/loadtest/fidelity-h100-long-runs-256-512"
+
+
+def default_workers(table: Callable[[dict], str]) -> Callable[[object], str]:
+    def render(results: dict[str, dict]) -> str:
+        parts = [data for name, data in results.items() if data["settings"]["workers"] == "auto"]
+        return table(loadtest_fidelity.merge_results(parts, pool_levels=True))
+
+    return render  # type: ignore[return-value]
+
+
+for _suffix, _table in SAME_REQUESTS_TABLES:
+    GENERATORS[f"fidelity-h100-long-runs-256-512{_suffix}"] = Generator(
+        LONG_RUNS_HIGH, default_workers(_table), by_name=True
+    )
+GENERATORS["fidelity-h100-long-runs-512-workers"] = by_command(
+    LONG_RUNS_HIGH, loadtest_fidelity.paired_by_command_table, 512
+)
+GENERATORS["fidelity-h100-long-runs-512-workers-by-repeat"] = by_command(
+    LONG_RUNS_HIGH, loadtest_fidelity.runs_by_command_table, 512
+)
+
 # The compose CPU stack (2 cores): the harness in Locust's container, bench in vLLM's, two commands pooled.
 FIDELITY_CPU = "docs/loadtest/fidelity-cpu"
 for _suffix, _table in SAME_REQUESTS_TABLES:
