@@ -28,7 +28,7 @@ from llmstack.bench import (
     routing,
     soak,
 )
-from llmstack.bench.gateway_report import md_table, memory_table
+from llmstack.bench.gateway_report import md_table, median_range_of, memory_table
 from llmstack.bench.loadtest_fidelity import markdown_table as fidelity_table
 from llmstack.cli import StackError, main_exit, parser_from_doc
 from llmstack.stats import difference
@@ -374,6 +374,58 @@ def cpu_shares_ab(results: dict[str, dict]) -> str:
 
 
 GENERATORS["locust-cpu-shares"] = Generator(CPU_SHARES, cpu_shares_ab, by_name=True)  # type: ignore[arg-type]
+# The gateway's and the router's CPU weight on the CPU stack, A/B interleaved (NN-shares-N.json):
+# the README's headless experiments, each setting's runs side by side.
+GATEWAY_CPU_SHARES = "docs/loadtest/gateway-cpu-shares"
+
+
+def gateway_cpu_shares_ab(results: dict[str, dict]) -> str:
+    groups: dict[str, list[dict]] = {}
+    for name, data in results.items():
+        groups.setdefault(name.removesuffix(".json").split("-shares-")[1], []).append(data)
+
+    def ratio(run: dict) -> float:
+        check = run["concurrency"]["vllm"]
+        return check["client_ttft_mean_ms"] / check["vllm_ttft_mean_ms"]
+
+    rows, ratios = [], []
+    for shares, runs in sorted(groups.items(), key=lambda item: -int(item[0])):
+        checks = [run["concurrency"]["vllm"] for run in runs]
+        ratios.append([ratio(run) for run in runs])
+        rows.append(
+            [
+                f"NGINX_CPU_SHARES=ROUTER_CPU_SHARES={shares}",
+                str(len(runs)),
+                median_range_of([check["client_ttft_mean_ms"] for check in checks], 1),
+                median_range_of([check["vllm_ttft_mean_ms"] for check in checks], 1),
+                median_range_of(ratios[-1], 2, show=lambda value: f"{value:.2f}x"),
+                median_range_of([check["client_tpot_mean_ms"] / check["vllm_tpot_mean_ms"] for check in checks], 2),
+                median_range_of([run["streaming"]["median"]["ttft_ms"] for run in runs], 1),
+            ]
+        )
+    table = md_table(
+        [
+            "Setting",
+            "Runs",
+            "client TTFT mean ms",
+            "vLLM hist TTFT mean ms (same requests)",
+            "client / vLLM hist",
+            "client TPOT / vLLM hist",
+            "streaming TTFT median ms",
+        ],
+        rows,
+    )
+    delta, beyond = difference(ratios[1], ratios[0]) if len(ratios) == 2 else (None, False)
+    if delta is None:
+        return table
+    verdict = "larger than" if beyond else "inside"
+    return (
+        f"{table}\n\nClient / vLLM hist, the first setting's median minus the second's: "
+        f"{delta:+.2f}x, {verdict} the runs' spread."
+    )
+
+
+GENERATORS["gateway-cpu-shares"] = Generator(GATEWAY_CPU_SHARES, gateway_cpu_shares_ab, by_name=True)  # type: ignore[arg-type]
 # The README's sample of the headless experiments (docs/loadtest/experiments-cpu/run-N.json).
 GENERATORS["experiments-cpu"] = Generator("docs/loadtest/experiments-cpu", experiments_sample)  # type: ignore[arg-type]
 # The same, before the Locust containers' CPU weight was raised (LOCUST_CPU_SHARES).
