@@ -22,6 +22,7 @@ from llmstack import REPO_ROOT
 from llmstack.bench import (
     cpu_placement,
     gateway_overhead,
+    hop_timing,
     loadtest_fidelity,
     noisy_neighbour,
     packet_timing,
@@ -426,6 +427,18 @@ def gateway_cpu_shares_ab(results: dict[str, dict]) -> str:
 
 
 GENERATORS["gateway-cpu-shares"] = Generator(GATEWAY_CPU_SHARES, gateway_cpu_shares_ab, by_name=True)  # type: ignore[arg-type]
+# The gateway path hop by hop on the CPU stack, router policies interleaved (NN-policy-P.json).
+HOP_TIMING = "docs/loadtest/hop-timing-cpu"
+
+
+def hop_timing_policies(results: dict[str, dict]) -> str:
+    groups: dict[str, list[dict]] = {}
+    for name, data in results.items():
+        groups.setdefault("ROUTER_POLICY=" + name.removesuffix(".json").split("-policy-")[1], []).append(data)
+    return hop_timing.settings_table(list(groups.items()))
+
+
+GENERATORS["hop-timing-cpu"] = Generator(HOP_TIMING, hop_timing_policies, by_name=True)  # type: ignore[arg-type]
 # The README's sample of the headless experiments (docs/loadtest/experiments-cpu/run-N.json).
 GENERATORS["experiments-cpu"] = Generator("docs/loadtest/experiments-cpu", experiments_sample)  # type: ignore[arg-type]
 # The same, before the Locust containers' CPU weight was raised (LOCUST_CPU_SHARES).

@@ -54,7 +54,7 @@ import threading
 import time
 import urllib.parse
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -591,8 +591,11 @@ def chart(result: dict, path: Path) -> None:
 class Capture:
     """tshark writing the port's packets to a pcapng file while the requests run."""
 
-    def __init__(self, tool: str, interface: str, capture_filter: str, file: Path):
-        self.tool, self.interface, self.capture_filter, self.file = tool, interface, capture_filter, file
+    def __init__(self, tool: str, interface: str | Sequence[str], capture_filter: str, file: Path):
+        # Several interfaces: one capture, one clock (hop_timing.py's bridges).
+        self.interfaces = [interface] if isinstance(interface, str) else list(interface)
+        self.interface = ", ".join(self.interfaces)
+        self.tool, self.capture_filter, self.file = tool, capture_filter, file
         self.lines: list[str] = []
         self.started = threading.Event()
         self.process: subprocess.Popen[str] | None = None
@@ -610,7 +613,8 @@ class Capture:
         return useful[-1] if useful else "no output"
 
     def start(self, timeout: float = 20.0) -> None:
-        command = [self.tool, "-i", self.interface, "-f", self.capture_filter, "-w", str(self.file), "-q"]
+        interfaces = [argument for name in self.interfaces for argument in ("-i", name)]
+        command = [self.tool, *interfaces, "-f", self.capture_filter, "-w", str(self.file), "-q"]
         try:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -709,8 +713,9 @@ def gateway_port(url: str) -> int:
         raise UsageError(f"--gateway-url {url!r} has no valid port") from None
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = parser_from_doc(PROG, __doc__)
+def add_request_arguments(parser: argparse.ArgumentParser) -> None:
+    """The requests a capture times (one at a time through the gateway) and the capture tool:
+    this benchmark's and hop_timing.py's."""
     parser.add_argument(
         "--gateway-url",
         default="http://127.0.0.1:8080",
@@ -723,6 +728,52 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", help="served model name (default: the first of the gateway's /v1/models)")
     parser.add_argument("--pause", type=float, default=0.2, help="seconds between requests (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="requests before the capture (default: %(default)s)")
+    parser.add_argument("--capture-tool", default="tshark", help="tshark's path (default: %(default)s)")
+    parser.add_argument("--capture-file", type=Path, help="keep the pcapng here (default: a temporary file)")
+
+
+def check_request_arguments(args: argparse.Namespace, min_tokens: int, why: str) -> None:
+    if args.requests < 1 or args.warmup < 0:
+        raise UsageError("--requests must be at least 1 and --warmup not negative")
+    if args.max_tokens < min_tokens:
+        raise UsageError(f"--max-tokens must be at least {min_tokens} ({why})")
+    if args.pause < 0:
+        raise UsageError("--pause must not be negative")
+
+
+def run_record(args: argparse.Namespace) -> dict[str, Any]:
+    """What a result file keeps of the run besides its figures: the settings (no key, no output
+    options) and the client's host."""
+    return {
+        "client": {"client_python": platform.python_version(), "client_cpus": os.cpu_count(), "host": platform.node()},
+        "settings": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("api_key_file", "json", "output", "chart", "no_chart", "render")
+        },
+    }
+
+
+def save_and_print(
+    result: dict,
+    args: argparse.Namespace,
+    name: str,
+    chart: Callable[[dict, Path], None],
+    render: Callable[[dict], str],
+) -> None:
+    """The result to --output (default results/NAME.json), its chart beside it, then its tables (or JSON)."""
+    output = args.output or results_path(f"{name}.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_json(output, result)
+    if not args.no_chart:
+        chart(result, args.chart or output.with_suffix(".png"))
+    print(json.dumps(result, indent=2) if args.json else render(result), end="" if not args.json else "\n")
+    progress(f"wrote {output}")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = parser_from_doc(PROG, __doc__)
+    add_request_arguments(parser)
     parser.add_argument("--interface", default="lo", help="where tshark captures (default: %(default)s)")
     parser.add_argument(
         "--server-port",
@@ -735,18 +786,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="tshark's capture filter (default: tcp port SERVER_PORT); e.g. add 'and (host IP1 or host IP2)' "
         "for the vLLM replicas where the router listens on the same port",
     )
-    parser.add_argument("--capture-tool", default="tshark", help="tshark's path (default: %(default)s)")
-    parser.add_argument("--capture-file", type=Path, help="keep the pcapng here (default: a temporary file)")
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's TTFT histogram (no stack access)")
     add_output_arguments(parser, "packet_timing")
     add_stack_arguments(parser)
     args = parser.parse_args(argv)
-    if args.requests < 1 or args.warmup < 0:
-        raise UsageError("--requests must be at least 1 and --warmup not negative")
-    if args.max_tokens < 2:
-        raise UsageError("--max-tokens must be at least 2 (inter-token gaps need two tokens)")
-    if args.pause < 0:
-        raise UsageError("--pause must not be negative")
+    check_request_arguments(args, 2, "inter-token gaps need two tokens")
     args.port = args.server_port or gateway_port(args.gateway_url)
     args.capture_filter = args.capture_filter or f"tcp port {args.port}"
     return args
@@ -760,6 +804,53 @@ def send_requests(client: ApiClient, args: argparse.Namespace) -> list[RequestRe
     return records
 
 
+def ready_client(args: argparse.Namespace, key: str) -> ApiClient:
+    """The SSE client on the gateway, --model filled in from /v1/models, --warmup requests sent."""
+    client = ApiClient(args.gateway_url, key)
+    if not args.model:
+        models = client.models()
+        if not models:
+            raise StackError(f"{args.gateway_url}/v1/models lists no model")
+        args.model = models[0]["id"]
+    for _ in range(args.warmup):
+        client.completion(args.model, args.prompt, args.max_tokens, kind="warmup")
+    return client
+
+
+@dataclass
+class CapturedRun:
+    records: list[RequestRecord]
+    text: str  # read_capture's lines
+    dropped: int | None
+    before: Snapshot | None  # vLLM's /metrics around the requests (None without the stack)
+    after: Snapshot | None
+
+
+def captured_run(
+    args: argparse.Namespace,
+    client: ApiClient,
+    interface: str | Sequence[str],
+    capture_filter: str,
+    stack: ComposeStack | HostVllm | None,
+) -> CapturedRun:
+    """The --requests sent while tshark captures, and the capture read back."""
+    with tempfile.TemporaryDirectory(prefix=f"{PROG.removesuffix('.py')}-") as tmp:
+        file = args.capture_file or Path(tmp) / "capture.pcapng"
+        if args.capture_file:
+            file.parent.mkdir(parents=True, exist_ok=True)
+        before = vllm_snapshot(stack) if stack is not None else None
+        capture = Capture(args.capture_tool, interface, capture_filter, file)
+        progress(f"capturing '{capture_filter}' on {capture.interface} ({args.capture_tool})")
+        capture.start()
+        try:
+            records = send_requests(client, args)
+        finally:
+            capture.stop()
+        after = vllm_snapshot(stack) if stack is not None else None
+        progress(f"reading {file}")
+        return CapturedRun(records, read_capture(args.capture_tool, file), capture.dropped(), before, after)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rendered = render_saved_run(argv, chart, render)
@@ -770,36 +861,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.vllm_url and not args.vllm_log:
         args.vllm_log = os.devnull  # stack_from_args wants a log; only /metrics is read here
     stack = None if args.no_vllm else stack_from_args(args)
-    client = ApiClient(args.gateway_url, key)
-    if not args.model:
-        models = client.models()
-        if not models:
-            raise StackError(f"{args.gateway_url}/v1/models lists no model")
-        args.model = models[0]["id"]
     version = tshark_version(args.capture_tool)
     if version is None:
         raise CaptureError(f"cannot run {args.capture_tool} (apt-get install tshark, or --capture-tool)")
-    for _ in range(args.warmup):
-        client.completion(args.model, args.prompt, args.max_tokens, kind="warmup")
-    with tempfile.TemporaryDirectory(prefix="packet-timing-") as tmp:
-        file = args.capture_file or Path(tmp) / "gateway.pcapng"
-        if args.capture_file:
-            file.parent.mkdir(parents=True, exist_ok=True)
-        before = vllm_snapshot(stack) if stack is not None else None
-        capture = Capture(args.capture_tool, args.interface, args.capture_filter, file)
-        progress(f"capturing '{args.capture_filter}' on {args.interface} ({args.capture_tool})")
-        capture.start()
-        try:
-            records = send_requests(client, args)
-        finally:
-            capture.stop()
-        after = vllm_snapshot(stack) if stack is not None else None
-        progress(f"reading {file}")
-        text = read_capture(args.capture_tool, file)
+    client = ready_client(args, key)
+    run = captured_run(args, client, args.interface, args.capture_filter, stack)
+    text, records, before, after = run.text, run.records, run.before, run.after
     conversations = parse_fields(text, args.port)
     pairs = match(records, completion_exchanges(conversations))
     rows = [request_row(number, record, exchange) for number, (record, exchange) in enumerate(pairs, 1)]
     vllm = vllm_ttft(before, after) if before is not None and after is not None else None
+    run_info = run_record(args)
     result = {
         "command": "python3 benchmarks/packet_timing.py " + shlex.join(argv),
         "environment": {
@@ -811,29 +883,17 @@ def main(argv: list[str] | None = None) -> int:
             "tshark_version": version,
             "packets": sum(1 for line in text.splitlines() if not line.endswith("\t")),
             "tcp_streams": len(conversations),
-            "packets_dropped": capture.dropped(),
+            "packets_dropped": run.dropped,
             "capture_file": str(args.capture_file) if args.capture_file else None,
             "vllm": None if stack is None else (args.vllm_url or "compose stack"),
-            "client_python": platform.python_version(),
-            "client_cpus": os.cpu_count(),
-            "host": platform.node(),
+            **run_info["client"],
         },
-        "settings": {
-            k: (str(v) if isinstance(v, Path) else v)
-            for k, v in vars(args).items()
-            if k not in ("api_key_file", "json", "output", "chart", "no_chart", "render")
-        },
+        "settings": run_info["settings"],
         "vllm": vllm,
         "summary": summarize(rows, vllm),
         "requests": rows,
     }
-    output = args.output or results_path("packet_timing.json")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    write_json(output, result)
-    if not args.no_chart:
-        chart(result, args.chart or output.with_suffix(".png"))
-    print(json.dumps(result, indent=2) if args.json else render(result), end="" if not args.json else "\n")
-    progress(f"wrote {output}")
+    save_and_print(result, args, "packet_timing", chart, render)
     return 0
 
 

@@ -434,6 +434,49 @@ def test_gateway_vs_direct_benchmark_runs_in_the_stack(stack):
     assert {t["target"] for t in summary["targets"]} >= {"added TTFT p50 <= 1 ms", "added TTFT p99 <= 3 ms"}
 
 
+def test_hop_timing_follows_each_request_through_nginx_the_router_and_vllm(stack, tmp_path):
+    """The hop-timing benchmark as docs/loadtest.md runs it (root: tshark on the stack's bridges):
+    every request found on every hop, the segments adding up to the client's TTFT, the router's
+    render calls (cache_aware, the default) one per replica, vLLM's histogram over the same requests."""
+    key = tmp_path / "key"
+    key.write_text(stack.keys["loadtest"] + "\n")
+    command = [
+        sys.executable,
+        "benchmarks/hop_timing.py",
+        "--gateway-url",
+        stack.base_url,
+        "--api-key-file",
+        str(key),
+        "--requests",
+        "5",
+        "--max-tokens",
+        "8",
+        "--no-chart",
+        "--json",
+        "--output",
+        str(tmp_path / "hops.json"),
+        "--project-name",
+        stack.project,
+        *(arg for name in stack.compose_files for arg in ("-f", name)),
+        "--env-file",
+        str(stack.env_file),
+    ]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    data = json.loads(result.stdout)
+    assert len(data["environment"]["interfaces"]) == 2  # the frontend and backend bridges
+    rows = data["requests"]
+    assert len(rows) == 5
+    segments = ("client_to_nginx_ms", "nginx_ms", "router_before_vllm_ms", "vllm_ms")
+    segments += ("router_after_vllm_ms", "nginx_after_ms", "client_read_ms")
+    for row in rows:
+        assert all(row[name] >= 0 for name in segments), row
+        assert sum(row[name] for name in segments) == pytest.approx(row["client_ttft_ms"], abs=0.001)
+        assert row["render_calls"] == len(stack.replicas) and 0 < row["render_ms"] < row["router_before_vllm_ms"]
+    # The render calls tokenize only: vLLM's engine counted the five completions alone.
+    assert data["vllm"]["requests"] == 5 and data["summary"]["vllm_hist_ttft_mean_ms"] > 0
+
+
 def test_fidelity_benchmark_gives_vllm_bench_serve_the_harness_workload(stack):
     """The fidelity benchmark on the compose stack, as docs/loadtest.md gives it: the harness in the
     Locust image, `vllm bench serve` in vLLM's (the CPU build: it crashed on an AVX2-only host

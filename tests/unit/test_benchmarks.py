@@ -118,6 +118,7 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
         ("benchmarks/cpu_placement.py", ["--config", "A=1,b=2"], "NAME=VALUE"),
         ("benchmarks/cpu_placement.py", ["--rounds", "0"], "--rounds must be at least 1"),
         ("benchmarks/cpu_placement.py", ["--requests", "0"], "--requests must be at least 1"),  # packet_timing's
+        ("benchmarks/hop_timing.py", ["--vllm-url", "http://127.0.0.1:9"], "needs the compose stack"),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(script, args, message):
