@@ -212,6 +212,17 @@ def test_load_test_settings_pass_through_empty_to_their_python_defaults():
     )
 
 
+def test_only_the_load_generator_outweighs_vllm_for_the_cpu(variant):
+    """Locust's CPU weight (the A/B in docs/loadtest/locust-cpu-shares/) on every path, settable;
+    every other container at Docker's default, as the gateway's own A/B left nginx and the router."""
+    _, config = variant
+    weights = {name: service.get("cpu_shares") for name, service in config["services"].items()}
+    assert {name for name, weight in weights.items() if weight} == {"locust-master", "locust-worker"}
+    assert weights["locust-master"] == weights["locust-worker"] == 262144
+    chosen = render(VARIANTS["cpu"], {"LOCUST_CPU_SHARES": "1024"})["services"]
+    assert chosen["locust-master"]["cpu_shares"] == chosen["locust-worker"]["cpu_shares"] == 1024
+
+
 def secret_leaks(files, env_file):
     """Where the secrets' known text shows in the rendered config, in any form compose prints."""
     rendered = render(files, env_file=env_file, output="yaml")
