@@ -9,7 +9,8 @@ server-sent events), as stamps on one clock:
   nginx in          the request's first packet to nginx (its port, --gateway-port, on a bridge)
   to router         nginx's request to the router (--upstream-port)
   render            the router's tokenizing calls (/v1/completions/render, one to each replica at
-                    once; only the cache_aware policy makes them), the first sent to the last answered
+                    once; only the cache_aware policy makes them), the first sent to the last
+                    response's head
   to vLLM           the router's request to the replica
   vLLM first token  the replica's first content event
   router out        the router's first content event to nginx
@@ -29,6 +30,7 @@ own segment: what the histogram leaves out of vLLM is the difference. Run it as 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import subprocess
 import sys
@@ -41,6 +43,7 @@ from llmstack.bench.gateway_overhead import read_key
 from llmstack.bench.gateway_report import fmt, md_table, median_range_of
 from llmstack.bench.packet_timing import (
     CaptureError,
+    Conversation,
     Exchange,
     add_request_arguments,
     captured_run,
@@ -95,6 +98,15 @@ class Hops:
     to_vllm: Exchange
 
 
+REQUEST_LINE = re.compile(rb"[A-Z]+ \S+ HTTP/1\.[01]\r\n")
+
+
+def from_their_start(conversations: dict[int, Conversation]) -> dict[int, Conversation]:
+    """The TCP streams whose first captured byte starts a request: a kept-alive connection caught
+    in the middle of an answer (a Prometheus scrape, a health check) is none of the requests'."""
+    return {stream: c for stream, c in conversations.items() if REQUEST_LINE.match(c.client.data)}
+
+
 def in_window(exchanges: list[Exchange], start: float, end: float) -> list[Exchange]:
     return [exchange for exchange in exchanges if start <= exchange.request.time < end]
 
@@ -118,9 +130,9 @@ def assign(gateway: list[Exchange], upstream: list[Exchange], renders: list[Exch
                 raise CaptureError(
                     f"request {number} (TCP stream {leg.stream}): the capture holds no whole upstream response"
                 )
-        for leg in mine:
+        for leg in [exchange, *mine]:
             if not leg.content_times:
-                raise CaptureError(f"request {number} (TCP stream {leg.stream}): an upstream response without a token")
+                raise CaptureError(f"request {number} (TCP stream {leg.stream}): a response without a token")
         hops.append(Hops(exchange, mine[0], mine_renders, mine[1]))
     return hops
 
@@ -212,7 +224,7 @@ def tables(result: dict) -> str:
         ]
 
     rows = [row(label, summary[key]) for key, label in SEGMENTS]
-    rows.insert(3, row("  of which the render calls, first sent to last answered", summary["render_ms"]))
+    rows.insert(3, row("  of which the render calls, first sent to last response head", summary["render_ms"]))
     rows.append(row("client TTFT (the sum)", summary["client_ttft_ms"]))
     hops = md_table(["Segment", "Requests", "mean", "p50", "p99", "max", "share of the TTFT mean"], rows)
     server = md_table(
@@ -244,7 +256,8 @@ def settings_table(named: list[tuple[str, list[dict]]]) -> str:
         rows.append(row)
     hist = ["vLLM's TTFT histogram, mean"]
     for _, runs in named:
-        hist += [median_range_of([run["summary"]["vllm_hist_ttft_mean_ms"] for run in runs], 2), ""]
+        values = [value for run in runs if (value := run["summary"]["vllm_hist_ttft_mean_ms"]) is not None]
+        hist += [median_range_of(values, 2) if values else "-", ""]
     rows.append(hist)
     headers = ["Segment (ms)"]
     for name, runs in named:
@@ -350,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     capture_filter = f"tcp port {args.gateway_port} or tcp port {args.upstream_port}"
     run = captured_run(args, client, interfaces, capture_filter, stack)
     text, records = run.text, run.records
-    gateway = match(records, completion_exchanges(parse_fields(text, args.gateway_port)))
-    upstream_conversations = parse_fields(text, args.upstream_port)
+    gateway = match(records, completion_exchanges(from_their_start(parse_fields(text, args.gateway_port))))
+    upstream_conversations = from_their_start(parse_fields(text, args.upstream_port))
     hops = assign(
         [exchange for _, exchange in gateway],
         completion_exchanges(upstream_conversations),

@@ -834,7 +834,7 @@ def captured_run(
     stack: ComposeStack | HostVllm | None,
 ) -> CapturedRun:
     """The --requests sent while tshark captures, and the capture read back."""
-    with tempfile.TemporaryDirectory(prefix=f"{PROG.removesuffix('.py')}-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="capture-") as tmp:
         file = args.capture_file or Path(tmp) / "capture.pcapng"
         if args.capture_file:
             file.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,15 @@ import json
 import pytest
 
 from llmstack.bench import hop_timing
-from llmstack.bench.packet_timing import CaptureError, Exchange, WireEvent, WireRequest, WireResponse
+from llmstack.bench.packet_timing import (
+    ByteStream,
+    CaptureError,
+    Conversation,
+    Exchange,
+    WireEvent,
+    WireRequest,
+    WireResponse,
+)
 from llmstack.cli import run
 from llmstack.sse import COMPLETIONS, RequestRecord
 
@@ -86,8 +94,20 @@ def test_anything_but_two_upstream_requests_per_request_is_an_error(upstream_cou
 def test_an_upstream_response_without_a_token_is_an_error():
     _rec, gateway, upstream, renders = one_request(100.0)
     upstream[1] = exchange(100.010, None, stream=30)
-    with pytest.raises(CaptureError, match="an upstream response without a token"):
+    with pytest.raises(CaptureError, match="request 1 \\(TCP stream 30\\): a response without a token"):
         hop_timing.assign([gateway], upstream, renders)
+
+
+def test_a_gateway_response_without_a_token_is_an_error_not_a_traceback():
+    _rec, _gateway, upstream, renders = one_request(100.0)
+    with pytest.raises(CaptureError, match="request 1 \\(TCP stream 10\\): a response without a token"):
+        hop_timing.assign([exchange(100.001, None, stream=10)], upstream, renders)
+
+
+def test_streams_caught_in_the_middle_of_an_answer_are_left_out():
+    whole = Conversation(1, ByteStream(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"), ByteStream(b"HTTP/1.1 200 OK\r\n"))
+    cut = Conversation(2, ByteStream(b"ics HTTP/1.1\r\n\r\n"), ByteStream(b"vllm:num_requests_running 0\n"))
+    assert list(hop_timing.from_their_start({1: whole, 2: cut})) == [1]
 
 
 def saved_result() -> dict:
