@@ -652,12 +652,21 @@ class Capture:
             self.reader.join(2)
 
     def dropped(self) -> int | None:
-        """Packets the kernel or tshark dropped, from its closing lines ("N packets dropped ...")."""
-        for line in self.lines:
-            words = line.split()
-            if len(words) >= 3 and words[1] == "packets" and words[2] == "dropped" and words[0].isdigit():
-                return int(words[0])
-        return None
+        """Packets the kernel or tshark dropped, from its closing lines: "N packets dropped ..." per
+        interface that dropped any, none where it dropped none (0, once it has said "N packets
+        captured"); None when it never said how many it captured."""
+        counts = [line.split() for line in self.lines]
+        drops = [
+            int(w[0])
+            for w in counts
+            if len(w) >= 3 and w[0].isdigit() and w[1:3] in (["packets", "dropped"], ["packet", "dropped"])
+        ]
+        if drops:
+            return sum(drops)
+        captured = any(
+            len(w) >= 3 and w[0].isdigit() and w[1] in ("packets", "packet") and w[2] == "captured" for w in counts
+        )
+        return 0 if captured else None
 
 
 def read_capture(tool: str, file: Path) -> str:

@@ -288,3 +288,18 @@ def test_the_entry_point_reports_an_unreachable_gateway_in_one_line(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith("packet_timing.py: error: cannot reach http://127.0.0.1:9")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "closing, dropped",
+    [
+        (["1234 packets captured"], 0),
+        (["1 packet captured"], 0),
+        (["1234 packets captured", "7 packets dropped from br-1", "2 packets dropped from br-2"], 9),
+        (["tshark: interrupted"], None),
+    ],
+)
+def test_dropped_packets_are_read_from_tsharks_closing_lines(tmp_path, closing, dropped):
+    capture = packet_timing.Capture("tshark", ["br-1", "br-2"], "tcp", tmp_path / "c.pcapng")
+    capture.lines = ["Capturing on 'br-1' and 'br-2'", *closing]
+    assert capture.dropped() == dropped
