@@ -357,15 +357,23 @@ FIDELITY_CPU = "docs/loadtest/fidelity-cpu"
 for _suffix, _table in SAME_REQUESTS_TABLES:
     GENERATORS[f"fidelity-cpu{_suffix}"] = Generator(FIDELITY_CPU, merged(_table, pool_levels=True))
 
+
+def by_setting(results: dict[str, dict], marker: str) -> dict[str, list[dict]]:
+    """An A/B folder's results grouped by the setting its file names give after `marker`
+    (e.g. 03-shares-1024.json, marker "-shares-": "1024"), in file order within each group."""
+    groups: dict[str, list[dict]] = {}
+    for name, data in results.items():
+        groups.setdefault(name.removesuffix(".json").split(marker)[1], []).append(data)
+    return groups
+
+
 # The Locust containers' CPU weight on the CPU stack, A/B interleaved (file names: NN-shares-N.json),
 # each setting's commands pooled.
 CPU_SHARES = "docs/loadtest/locust-cpu-shares"
 
 
 def cpu_shares_ab(results: dict[str, dict]) -> str:
-    groups: dict[str, list[dict]] = {}
-    for name, data in results.items():
-        groups.setdefault(name.removesuffix(".json").split("-shares-")[1], []).append(data)
+    groups = by_setting(results, "-shares-")
     return loadtest_fidelity.settings_table(
         [
             (f"LOCUST_CPU_SHARES={shares}", loadtest_fidelity.merge_results(parts, pool_levels=True))
@@ -381,9 +389,7 @@ GATEWAY_CPU_SHARES = "docs/loadtest/gateway-cpu-shares"
 
 
 def gateway_cpu_shares_ab(results: dict[str, dict]) -> str:
-    groups: dict[str, list[dict]] = {}
-    for name, data in results.items():
-        groups.setdefault(name.removesuffix(".json").split("-shares-")[1], []).append(data)
+    groups = by_setting(results, "-shares-")
 
     def ratio(run: dict) -> float:
         check = run["concurrency"]["vllm"]
@@ -432,10 +438,8 @@ HOP_TIMING = "docs/loadtest/hop-timing-cpu"
 
 
 def hop_timing_policies(results: dict[str, dict]) -> str:
-    groups: dict[str, list[dict]] = {}
-    for name, data in results.items():
-        groups.setdefault("ROUTER_POLICY=" + name.removesuffix(".json").split("-policy-")[1], []).append(data)
-    return hop_timing.settings_table(list(groups.items()))
+    groups = by_setting(results, "-policy-")
+    return hop_timing.settings_table([(f"ROUTER_POLICY={policy}", runs) for policy, runs in groups.items()])
 
 
 GENERATORS["hop-timing-cpu"] = Generator(HOP_TIMING, hop_timing_policies, by_name=True)  # type: ignore[arg-type]

@@ -35,7 +35,6 @@ import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +48,13 @@ from llmstack.bench.packet_timing import (
     captured_run,
     check_request_arguments,
     completion_exchanges,
+    figures,
     gateway_port,
     match,
     ms,
     parse_fields,
     ready_client,
-    run_record,
+    run_settings,
     save_and_print,
     tshark_version,
     vllm_ttft,
@@ -70,7 +70,6 @@ from llmstack.cli import (
     save_chart,
 )
 from llmstack.sse import RequestRecord
-from llmstack.stats import spread
 from llmstack.vllm import ComposeStack, add_stack_arguments, stack_from_args
 
 PROG = "hop_timing.py"
@@ -170,11 +169,6 @@ def request_row(number: int, record: RequestRecord, hops: Hops) -> dict[str, Any
         "nginx_after_ms": between(stamps["nginx_first"], stamps["router_first"]),
         "client_read_ms": between(client_first, stamps["nginx_first"]),
     }
-
-
-def figures(values: list[float]) -> dict[str, float | int | None]:
-    s = spread(values)
-    return {"n": s.n, "mean": s.mean, "p50": s.p50, "p99": s.p99, "max": s.max}
 
 
 def summarize(rows: list[dict], vllm: dict | None) -> dict[str, Any]:
@@ -361,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     interfaces = args.interface or stack_bridges(stack)
     client = ready_client(args, key)
     capture_filter = f"tcp port {args.gateway_port} or tcp port {args.upstream_port}"
-    run = captured_run(args, client, interfaces, capture_filter, stack)
+    run = captured_run(args, client, interfaces, capture_filter, stack, version)
     text, records = run.text, run.records
     gateway = match(records, completion_exchanges(from_their_start(parse_fields(text, args.gateway_port))))
     upstream_conversations = from_their_start(parse_fields(text, args.upstream_port))
@@ -373,21 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [request_row(n, record, hop) for n, ((record, _), hop) in enumerate(zip(gateway, hops, strict=True), 1)]
     assert run.before is not None and run.after is not None  # the stack was given
     vllm = vllm_ttft(run.before, run.after)
-    run_info = run_record(args)
     result = {
         "command": "python3 benchmarks/hop_timing.py " + shlex.join(argv),
-        "environment": {
-            "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "gateway_url": args.gateway_url,
-            "interfaces": interfaces,
-            "capture_filter": capture_filter,
-            "tshark_version": version,
-            "packets": sum(1 for line in text.splitlines() if not line.endswith("\t")),
-            "packets_dropped": run.dropped,
-            "capture_file": str(args.capture_file) if args.capture_file else None,
-            **run_info["client"],
-        },
-        "settings": run_info["settings"],
+        "environment": {**run.environment(args), "interfaces": interfaces},
+        "settings": run_settings(args),
         "vllm": vllm,
         "summary": summarize(rows, vllm),
         "requests": rows,

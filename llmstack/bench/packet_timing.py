@@ -750,16 +750,12 @@ def check_request_arguments(args: argparse.Namespace, min_tokens: int, why: str)
         raise UsageError("--pause must not be negative")
 
 
-def run_record(args: argparse.Namespace) -> dict[str, Any]:
-    """What a result file keeps of the run besides its figures: the settings (no key, no output
-    options) and the client's host."""
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings a result file keeps: every option but the key and the output ones."""
     return {
-        "client": {"client_python": platform.python_version(), "client_cpus": os.cpu_count(), "host": platform.node()},
-        "settings": {
-            k: (str(v) if isinstance(v, Path) else v)
-            for k, v in vars(args).items()
-            if k not in ("api_key_file", "json", "output", "chart", "no_chart", "render")
-        },
+        k: (str(v) if isinstance(v, Path) else v)
+        for k, v in vars(args).items()
+        if k not in ("api_key_file", "json", "output", "chart", "no_chart", "render")
     }
 
 
@@ -833,6 +829,23 @@ class CapturedRun:
     dropped: int | None
     before: Snapshot | None  # vLLM's /metrics around the requests (None without the stack)
     after: Snapshot | None
+    capture_filter: str
+    tshark_version: str
+
+    def environment(self, args: argparse.Namespace) -> dict[str, Any]:
+        """What a result file keeps of the capture and the client's host."""
+        return {
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "gateway_url": args.gateway_url,
+            "capture_filter": self.capture_filter,
+            "tshark_version": self.tshark_version,
+            "packets": sum(1 for line in self.text.splitlines() if not line.endswith("\t")),
+            "packets_dropped": self.dropped,
+            "capture_file": str(args.capture_file) if args.capture_file else None,
+            "client_python": platform.python_version(),
+            "client_cpus": os.cpu_count(),
+            "host": platform.node(),
+        }
 
 
 def captured_run(
@@ -841,6 +854,7 @@ def captured_run(
     interface: str | Sequence[str],
     capture_filter: str,
     stack: ComposeStack | HostVllm | None,
+    version: str,
 ) -> CapturedRun:
     """The --requests sent while tshark captures, and the capture read back."""
     with tempfile.TemporaryDirectory(prefix="capture-") as tmp:
@@ -857,7 +871,8 @@ def captured_run(
             capture.stop()
         after = vllm_snapshot(stack) if stack is not None else None
         progress(f"reading {file}")
-        return CapturedRun(records, read_capture(args.capture_tool, file), capture.dropped(), before, after)
+        text = read_capture(args.capture_tool, file)
+        return CapturedRun(records, text, capture.dropped(), before, after, capture_filter, version)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -874,30 +889,22 @@ def main(argv: list[str] | None = None) -> int:
     if version is None:
         raise CaptureError(f"cannot run {args.capture_tool} (apt-get install tshark, or --capture-tool)")
     client = ready_client(args, key)
-    run = captured_run(args, client, args.interface, args.capture_filter, stack)
+    run = captured_run(args, client, args.interface, args.capture_filter, stack, version)
     text, records, before, after = run.text, run.records, run.before, run.after
     conversations = parse_fields(text, args.port)
     pairs = match(records, completion_exchanges(conversations))
     rows = [request_row(number, record, exchange) for number, (record, exchange) in enumerate(pairs, 1)]
     vllm = vllm_ttft(before, after) if before is not None and after is not None else None
-    run_info = run_record(args)
     result = {
         "command": "python3 benchmarks/packet_timing.py " + shlex.join(argv),
         "environment": {
-            "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "gateway_url": args.gateway_url,
+            **run.environment(args),
             "interface": args.interface,
             "server_port": args.port,
-            "capture_filter": args.capture_filter,
-            "tshark_version": version,
-            "packets": sum(1 for line in text.splitlines() if not line.endswith("\t")),
             "tcp_streams": len(conversations),
-            "packets_dropped": run.dropped,
-            "capture_file": str(args.capture_file) if args.capture_file else None,
             "vllm": None if stack is None else (args.vllm_url or "compose stack"),
-            **run_info["client"],
         },
-        "settings": run_info["settings"],
+        "settings": run_settings(args),
         "vllm": vllm,
         "summary": summarize(rows, vllm),
         "requests": rows,
