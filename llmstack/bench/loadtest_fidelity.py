@@ -163,23 +163,36 @@ def snapshot(stack: ComposeStack | HostVllm) -> Snapshot:
     return Snapshot.from_text(stack.get("/metrics"))
 
 
-# The kernel's TCP counters (/proc/net/netstat, TcpExt) that show connections lost on the way in:
-# a SYN dropped by a full listen queue costs its client a retransmission 1 s later.
-TCP_COUNTERS = {"syn_retrans": "TCPSynRetrans", "listen_overflows": "ListenOverflows"}
+# The kernel's TCP counters that show connections lost on the way in (/proc/net/netstat, TcpExt: a
+# SYN dropped by a full listen queue costs its client a retransmission 1 s later), and how many
+# connections and segments a run cost (/proc/net/snmp, Tcp: on loopback the server's accepts and
+# every segment once, whichever end sent it).
+TCP_COUNTERS = {
+    "syn_retrans": ("TcpExt", "TCPSynRetrans"),
+    "listen_overflows": ("TcpExt", "ListenOverflows"),
+    "connections_accepted": ("Tcp", "PassiveOpens"),
+    "tcp_segments": ("Tcp", "OutSegs"),
+}
 
 
-def tcp_counters(netstat: Path = Path("/proc/net/netstat")) -> dict[str, int]:
-    """TCP_COUNTERS now, for this network namespace (empty where the file is missing)."""
-    try:
-        lines = netstat.read_text().splitlines()
-    except OSError:
-        return {}
-    # Each protocol is a pair of lines: "TcpExt: Name Name ..." then "TcpExt: 1 2 ...".
-    tcp_ext: dict[str, int] = {}
-    for names, values in zip(lines[::2], lines[1::2], strict=False):
-        if names.startswith("TcpExt:") and values.startswith("TcpExt:"):
-            tcp_ext = dict(zip(names.split()[1:], (int(v) for v in values.split()[1:]), strict=False))
-    return {key: tcp_ext[name] for key, name in TCP_COUNTERS.items() if name in tcp_ext}
+def tcp_counters(proc_net: Path = Path("/proc/net")) -> dict[str, int]:
+    """TCP_COUNTERS now, for this network namespace (those of a missing file left out)."""
+    tables: dict[str, dict[str, int]] = {}
+    for name in ("netstat", "snmp"):
+        try:
+            lines = (proc_net / name).read_text().splitlines()
+        except OSError:
+            continue
+        # Each protocol is a pair of lines: "TcpExt: Name Name ..." then "TcpExt: 1 2 ...".
+        for names, values in zip(lines[::2], lines[1::2], strict=False):
+            protocol = names.split(":", 1)[0]
+            if values.startswith(protocol + ":"):
+                tables[protocol] = dict(zip(names.split()[1:], (int(v) for v in values.split()[1:]), strict=False))
+    return {
+        key: tables[protocol][name]
+        for key, (protocol, name) in TCP_COUNTERS.items()
+        if name in tables.get(protocol, {})
+    }
 
 
 def tcp_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -189,6 +202,37 @@ def tcp_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 def mean_ms(before: Snapshot, after: Snapshot, name: str) -> float | None:
     mean = before.histogram_mean(after, name)
     return mean * 1000 if mean is not None else None
+
+
+# vLLM's v1 histograms that split a request's TTFT: waiting for a batch slot, then scheduled until
+# its first token; the rest of the TTFT histogram is the API server process (input and output
+# handling, its event loop). With the engine's steps and the API server's CPU time (prometheus_client's
+# process collector) they say which part of the server a client's requests kept waiting.
+QUEUE_HISTOGRAM = "vllm:request_queue_time_seconds"
+PREFILL_HISTOGRAM = "vllm:request_prefill_time_seconds"
+STEP_TOKENS_HISTOGRAM = "vllm:iteration_tokens_total"
+GENERATED_TOKENS = "vllm:generation_tokens_total"
+API_SERVER_CPU = "process_cpu_seconds_total"
+
+
+def server_phases(before: Snapshot, after: Snapshot) -> dict[str, float | None]:
+    """Where vLLM says one client's run went: mean queue, prefill and API-server share of the TTFT
+    (ms), tokens per engine step, and the API server's CPU ms per generated token."""
+    ttft, queue, prefill = (
+        mean_ms(before, after, name) for name in (TTFT_HISTOGRAM, QUEUE_HISTOGRAM, PREFILL_HISTOGRAM)
+    )
+    steps = before.delta(after, STEP_TOKENS_HISTOGRAM + "_count")
+    generated = before.delta(after, GENERATED_TOKENS)
+    has_cpu = before.has(API_SERVER_CPU) and after.has(API_SERVER_CPU)
+    return {
+        "queue_ms": queue,
+        "prefill_ms": prefill,
+        "api_server_ms": ttft - queue - prefill if None not in (ttft, queue, prefill) else None,  # type: ignore[operator]
+        "tokens_per_step": before.delta(after, STEP_TOKENS_HISTOGRAM + "_sum") / steps if steps > 0 else None,
+        "api_server_cpu_ms_per_token": (
+            before.delta(after, API_SERVER_CPU) * 1000 / generated if has_cpu and generated > 0 else None
+        ),
+    }
 
 
 def requests_per_client(args: argparse.Namespace, level: int) -> int:
@@ -359,6 +403,7 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
                 progress(f"concurrency {level}, repeat {repeat + 1}/{args.repeats}: {client}")
                 # Only where client and vLLM share this host's network: vLLM on loopback, not in compose.
                 tcp_before = tcp_counters() if target.on_loopback else {}
+                server_before = snapshot(target.stack)
                 if client == "harness":
                     measured = harness_level(target, args, level)
                     row, check = measured["row"], measured["check"]
@@ -386,6 +431,8 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
                     entry.update({f"bench_{key}": value for key, value in bench.items()})
                 if tcp_before:
                     entry.update({f"{client}_{key}": n for key, n in tcp_delta(tcp_before, tcp_counters()).items()})
+                phases = server_phases(server_before, snapshot(target.stack))
+                entry.update({f"{client}_server_{key}": value for key, value in phases.items()})
             runs.append(entry)
             progress(f"concurrency {level}, repeat {repeat + 1}: done after {time.monotonic() - started:.0f} s")
             if args.output:
@@ -723,6 +770,33 @@ def server_view_table(data: dict) -> str:
     return md_table(["Clients", *(header for header, _, _ in columns)], rows)
 
 
+SERVER_PHASES = (  # (header, server_phases' key, digits)
+    ("queue ms", "queue_ms", 1),
+    ("prefill ms", "prefill_ms", 1),
+    ("API server ms", "api_server_ms", 1),
+    ("tokens per engine step", "tokens_per_step", 0),
+    ("API server CPU ms per token", "api_server_cpu_ms_per_token", 3),
+)
+
+
+def server_phases_table(data: dict) -> str:
+    """Per level and client, median (min-max) over the repeats: vLLM's TTFT histogram of that
+    client's requests split into its phases, the engine's batch and the API server's CPU cost."""
+    rows = []
+    for level in data["settings"]["levels"]:
+        runs = [run for run in data["runs"] if run["concurrency"] == level]
+        for side, histogram in (("harness", "vllm_hist_ttft_ms"), ("bench", "bench_vllm_ttft_ms")):
+            row = [str(level), side, median_range_of([run[histogram] for run in runs if run.get(histogram)], 1)]
+            for _, key, digits in SERVER_PHASES:
+                values = [
+                    run[name] for run in runs if (name := f"{side}_server_{key}") in run and run[name] is not None
+                ]
+                row.append(median_range_of(values, digits))
+            rows.append(row)
+    headers = ["Clients", "client's requests", "vLLM hist TTFT mean ms", *(header for header, _, _ in SERVER_PHASES)]
+    return md_table(headers, rows)
+
+
 def ttft_deciles_table(data: dict) -> str:
     """Per level and client, each TTFT decile (p10..p90 of the run's requests), median over the
     repeats: the distribution's shape, where a median between two groups of requests moves far
@@ -912,6 +986,8 @@ def main(argv: list[str] | None = None) -> int:
         tables = [repeats_table(data), paired_table(data), server_view_table(data), against_server_table(data)]
         if any(run.get("harness_ttft_deciles_ms") for run in data["runs"]):
             tables.append(ttft_deciles_table(data))
+        if any("harness_server_queue_ms" in run for run in data["runs"]):
+            tables.append(server_phases_table(data))
         print(json.dumps(data, indent=2) if args.json else "\n\n".join(tables))
         return 0
     results = [

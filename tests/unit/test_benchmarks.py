@@ -588,14 +588,23 @@ def test_fidelity_reads_bench_serves_requests_from_its_detailed_result():
 def test_fidelity_reads_the_kernels_tcp_counters_and_merges_results(tmp_path):
     from llmstack.bench import loadtest_fidelity
 
-    netstat = tmp_path / "netstat"
-    netstat.write_text(
+    (tmp_path / "netstat").write_text(
         "TcpExt: SyncookiesSent ListenOverflows TCPSynRetrans\nTcpExt: 0 3 7\n"
         "IpExt: InNoRoutes ListenOverflows\nIpExt: 1 99\n"
     )
-    assert loadtest_fidelity.tcp_counters(netstat) == {"syn_retrans": 7, "listen_overflows": 3}
+    assert loadtest_fidelity.tcp_counters(tmp_path) == {"syn_retrans": 7, "listen_overflows": 3}
+    (tmp_path / "snmp").write_text(
+        "Ip: Forwarding InReceives\nIp: 1 500\n"
+        "Tcp: RtoAlgorithm ActiveOpens PassiveOpens InSegs OutSegs\nTcp: 1 40 41 900 880\n"
+    )
+    assert loadtest_fidelity.tcp_counters(tmp_path) == {
+        "syn_retrans": 7,
+        "listen_overflows": 3,
+        "connections_accepted": 41,
+        "tcp_segments": 880,
+    }
     assert loadtest_fidelity.tcp_counters(tmp_path / "missing") == {}
-    assert set(loadtest_fidelity.tcp_counters()) == {"syn_retrans", "listen_overflows"}  # this Linux host's
+    assert set(loadtest_fidelity.tcp_counters()) == set(loadtest_fidelity.TCP_COUNTERS)  # this Linux host's
     assert loadtest_fidelity.tcp_delta({"syn_retrans": 3, "gone": 1}, {"syn_retrans": 5}) == {"syn_retrans": 2}
 
     def result(levels: list[int], **settings: int) -> dict:
@@ -620,6 +629,54 @@ def test_fidelity_reads_the_kernels_tcp_counters_and_merges_results(tmp_path):
             loadtest_fidelity.merge_results(parts)
 
 
+def test_fidelity_splits_the_servers_ttft_into_its_phases():
+    from llmstack.bench import loadtest_fidelity
+    from llmstack.promtext import Snapshot
+
+    def page(requests: int, ttft: float, queue: float, prefill: float, steps: int, cpu: float, tokens: int) -> str:
+        lines = []
+        for name, total, count in (
+            ("vllm:time_to_first_token_seconds", ttft, requests),
+            ("vllm:request_queue_time_seconds", queue, requests),
+            ("vllm:request_prefill_time_seconds", prefill, requests),
+            ("vllm:iteration_tokens_total", tokens + 14 * requests, steps),
+        ):
+            lines += [f"# TYPE {name} histogram", f'{name}_bucket{{le="+Inf"}} {count}']
+            lines += [f"{name}_sum {total}", f"{name}_count {count}"]
+        lines += ["# TYPE vllm:generation_tokens_total counter", f"vllm:generation_tokens_total {tokens}"]
+        lines += ["# TYPE process_cpu_seconds_total counter", f"process_cpu_seconds_total {cpu}"]
+        return "\n".join(lines) + "\n"
+
+    before = Snapshot.from_text(page(10, 1.0, 0.2, 0.3, 100, 50.0, 500))
+    after = Snapshot.from_text(page(20, 2.0, 0.5, 0.5, 150, 52.0, 1000))
+    phases = loadtest_fidelity.server_phases(before, after)
+    assert phases["queue_ms"] == pytest.approx(30.0) and phases["prefill_ms"] == pytest.approx(20.0)
+    assert phases["api_server_ms"] == pytest.approx(50.0)  # 100 ms of TTFT less queue and prefill
+    assert phases["tokens_per_step"] == pytest.approx((500 + 140) / 50)
+    assert phases["api_server_cpu_ms_per_token"] == pytest.approx(2000 / 500)
+    # No requests between the snapshots, no process collector: no figures, no error.
+    idle = loadtest_fidelity.server_phases(before, Snapshot.from_text(page(10, 1.0, 0.2, 0.3, 100, 50.0, 500)))
+    assert idle == {
+        "queue_ms": None,
+        "prefill_ms": None,
+        "api_server_ms": None,
+        "tokens_per_step": None,
+        "api_server_cpu_ms_per_token": None,
+    }
+    run = {
+        "concurrency": 8,
+        **{
+            f"{side}_server_{key}": 1.0
+            for side in ("harness", "bench")
+            for _, key, _ in loadtest_fidelity.SERVER_PHASES
+        },
+    }
+    table = loadtest_fidelity.server_phases_table(
+        {"settings": {"levels": [8]}, "runs": [run | {"vllm_hist_ttft_ms": 9.0}]}
+    )
+    assert "| 8 | harness | 9.0 |" in table and "| 8 | bench | - |" in table
+
+
 def test_fidelity_keeps_each_finished_repeat_when_a_command_is_stopped(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
@@ -638,10 +695,11 @@ def test_fidelity_keeps_each_finished_repeat_when_a_command_is_stopped(tmp_path,
 
     monkeypatch.setattr(loadtest_fidelity, "harness_level", harness)
     monkeypatch.setattr(loadtest_fidelity, "bench_serve", lambda *_: {"throughput_tok_s": 1000.0, "ttft_ms": 29.0})
+    monkeypatch.setattr(loadtest_fidelity, "snapshot", lambda _stack: loadtest_fidelity.Snapshot())
     output = tmp_path / "result.json"
     args = loadtest_fidelity.parse_args(["--levels", "8,64", "--output", str(output)])
     with pytest.raises(KeyboardInterrupt):
-        loadtest_fidelity.measure_repeats(SimpleNamespace(on_loopback=False), args, "m", "m")
+        loadtest_fidelity.measure_repeats(SimpleNamespace(on_loopback=False, stack=None), args, "m", "m")
     kept = json.loads(output.read_text())
     assert kept["complete"] is False and kept["settings"]["levels"] == [8] and len(kept["runs"]) == 3
     assert kept["settings"]["levels_asked"] == [8, 64] and not list(tmp_path.glob(".*.partial"))
