@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from llmstack.cli import add_json_argument, main_exit, parser_from_doc
-from loadtest.settings import SettingsError, check_host, parse_rates
+from loadtest.settings import RUNNING_SAMPLE_INTERVAL_S, SettingsError, check_host, parse_rates
 
 PROG = "python -m loadtest.experiments"
 EXPERIMENTS = ("concurrency", "streaming", "prefix", "goodput")
@@ -82,6 +82,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=(os.environ.get("LOADTEST_VLLM_METRICS_URL") or "http://vllm-replicas:8000/metrics"),
         help="vLLM's /metrics for the cross-check, summed over every replica the name resolves to; "
         "'' to skip (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--running-sample-interval",
+        type=float,
+        default=RUNNING_SAMPLE_INTERVAL_S,
+        help="seconds between reads of vLLM's running requests during a run; each read costs the "
+        "server's API process a /metrics page (default: %(default)s)",
     )
     parser.add_argument(
         "--results",
@@ -148,6 +155,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.running_sample_interval <= 0:
+        parser.error("--running-sample-interval must be positive")
     if args.streaming_max_tokens < 2 or args.max_tokens < 2:
         parser.error("--max-tokens and --streaming-max-tokens must be at least 2 (TPOT needs two tokens)")
     if args.requests_per_client is not None and args.requests_per_client < 1:
@@ -222,7 +231,7 @@ def run(args: argparse.Namespace, levels: list[int]) -> int:
     metrics.install_precise_buckets()
     metrics.KEEP_RECORDS = True
     workers = worker_count(args, levels)
-    runner = ExperimentRunner(settings, args.vllm_metrics_url, workers)
+    runner = ExperimentRunner(settings, args.vllm_metrics_url, workers, args.running_sample_interval)
     summary: dict = {
         "run_id": run_id,
         "host": settings.host,

@@ -24,7 +24,7 @@ from loadtest import goodput, metrics, results
 from loadtest.arrivals import PoissonArrivalUser, RateStepShape
 from loadtest.distributed import LocalWorkers
 from loadtest.metrics import E2E
-from loadtest.settings import Settings, rate_label
+from loadtest.settings import RUNNING_SAMPLE_INTERVAL_S, Settings, rate_label
 from loadtest.step_state import STEP_STATE, StepWindow
 from loadtest.steps import StepLoadShape
 from loadtest.users import (
@@ -37,15 +37,21 @@ from loadtest.users import (
     use_settings,
 )
 
-SAMPLE_INTERVAL_S = 0.05
 SAMPLER_START_TIMEOUT_S = 15
 
 
 class ExperimentRunner:
-    def __init__(self, settings: Settings, vllm_metrics_url: str | None, workers: int = 1):
+    def __init__(
+        self,
+        settings: Settings,
+        vllm_metrics_url: str | None,
+        workers: int = 1,
+        sample_interval_s: float = RUNNING_SAMPLE_INTERVAL_S,
+    ):
         self.settings = settings
         use_settings(settings)
         self.vllm_metrics_url = vllm_metrics_url or None
+        self.sample_interval_s = sample_interval_s
         self.all_records: list[RequestRecord] = []
         self.running_samples: list[tuple[float, float, float]] = []
         self.windows: list[StepWindow] = []
@@ -168,7 +174,7 @@ class ExperimentRunner:
                 "loadtest.running_sampler",
                 self.vllm_metrics_url,
                 "--interval",
-                str(SAMPLE_INTERVAL_S),
+                str(self.sample_interval_s),
             ],
             stdout=subprocess.PIPE,
             text=True,

@@ -13,6 +13,7 @@ import time
 
 from llmstack import promtext
 from llmstack.cli import main_exit, parser_from_doc
+from loadtest.settings import RUNNING_SAMPLE_INTERVAL_S
 
 PROG = "python -m loadtest.running_sampler"
 METRIC = "vllm:num_requests_running"
@@ -26,7 +27,9 @@ def read_running(url: str) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     parser = parser_from_doc(PROG, __doc__)
     parser.add_argument("url", help="vLLM's /metrics URL")
-    parser.add_argument("--interval", type=float, default=0.05, help="seconds between polls (default: %(default)s)")
+    parser.add_argument(
+        "--interval", type=float, default=RUNNING_SAMPLE_INTERVAL_S, help="seconds between polls (default: %(default)s)"
+    )
     parser.add_argument("--max-seconds", type=float, default=3600, help="stop after this long (default: %(default)s)")
     args = parser.parse_args(argv)
     deadline = time.perf_counter() + args.max_seconds

@@ -72,6 +72,7 @@ from llmstack.stats import (
     spread,
 )
 from llmstack.vllm import VLLM_PORT, ComposeStack, HostVllm, add_stack_arguments, served_model, stack_from_args
+from loadtest.settings import RUNNING_SAMPLE_INTERVAL_S
 
 PROG = "loadtest_fidelity.py"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -255,6 +256,8 @@ def harness_level(target: Target, args: argparse.Namespace, level: int) -> dict:
                 str(args.max_tokens),
                 "--workers",
                 str(args.workers),
+                "--running-sample-interval",
+                str(args.running_sample_interval),
             ]
         )
     )
@@ -460,6 +463,7 @@ def repeats_result(args: argparse.Namespace, runs: list[dict], prompt: str, star
             "min_requests": args.min_requests,
             "max_tokens": args.max_tokens,
             "workers": args.workers,
+            "running_sample_interval_s": args.running_sample_interval,
             "bench_temperature": TEMPERATURE,
             "bench_prompt": prompt,
         },
@@ -961,6 +965,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--workers", default="auto", help="the harness's load generator processes (default: auto, one per 16 clients)"
     )
+    parser.add_argument(
+        "--running-sample-interval",
+        type=float,
+        default=RUNNING_SAMPLE_INTERVAL_S,
+        help="the harness's seconds between reads of vLLM's running requests (default: %(default)s)",
+    )
     parser.add_argument("--output", help="write the JSON result to this file too")
     add_json_argument(parser)
     add_stack_arguments(parser)
@@ -970,6 +980,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError("--requests-per-client must be positive, --max-tokens at least 2")
     if args.repeats < 1 or args.min_requests < 1:
         raise UsageError("--repeats and --min-requests must be at least 1")
+    if args.running_sample_interval <= 0:
+        raise UsageError("--running-sample-interval must be positive")
     if args.repeats > 1 and args.no_bench:
         raise UsageError("--repeats compares with `vllm bench serve`: drop --no-bench or use --repeats 1")
     return args
