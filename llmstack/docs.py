@@ -433,6 +433,20 @@ def gateway_cpu_shares_ab(results: dict[str, dict]) -> str:
 
 
 GENERATORS["gateway-cpu-shares"] = Generator(GATEWAY_CPU_SHARES, gateway_cpu_shares_ab, by_name=True)  # type: ignore[arg-type]
+# The harness's interval between reads of vLLM's running requests, A/B interleaved
+# (NN-interval-S.json), each setting's commands pooled.
+SAMPLE_INTERVAL_CPU = "docs/loadtest/running-sample-interval-cpu"
+
+
+def sample_interval_ab(results: dict[str, dict]) -> str:
+    groups = [
+        (f"--running-sample-interval {interval}", loadtest_fidelity.merge_results(parts, pool_levels=True))
+        for interval, parts in sorted(by_setting(results, "-interval-").items(), key=lambda item: float(item[0]))
+    ]
+    return loadtest_fidelity.settings_table(groups) + "\n\n" + loadtest_fidelity.settings_paired_table(groups)
+
+
+GENERATORS["running-sample-interval-cpu"] = Generator(SAMPLE_INTERVAL_CPU, sample_interval_ab, by_name=True)  # type: ignore[arg-type]
 # The gateway path hop by hop on the CPU stack, router policies interleaved (NN-policy-P.json).
 HOP_TIMING = "docs/loadtest/hop-timing-cpu"
 

@@ -917,6 +917,36 @@ def settings_table(groups: list[tuple[str, dict]], target_ratio: float = 1.25) -
     return md_table([*headers, "harness TPOT mean over vLLM hist, %"], rows)
 
 
+def per_request(run: dict, side: str, key: str) -> float | None:
+    """One client's count of a run (TCP_COUNTERS) per request it completed."""
+    count, requests = run.get(f"{side}_{key}"), run.get("harness_requests" if side == "harness" else "bench_completed")
+    return count / requests if isinstance(count, int | float) and requests else None
+
+
+def settings_paired_table(groups: list[tuple[str, dict]]) -> str:
+    """Per setting (a label and its results, merged) and level: the harness against bench within
+    each repeat (paired_table's cells), then what each client's runs cost vLLM's API server: CPU
+    ms per generated token and TCP connections per request, median (min-max) over the repeats."""
+    rows = []
+    for label, data in groups:
+        for level in data["settings"]["levels"]:
+            runs = [run for run in data["runs"] if run["concurrency"] == level]
+            row = [label, str(level), str(len(runs)), *paired_cells(summarize_level(level, runs)["paired"])]
+            for side in SIDES:
+                key = f"{side}_server_api_server_cpu_ms_per_token"
+                row.append(median_range_of([run[key] for run in runs if run.get(key) is not None], 3))
+            for side in SIDES:
+                row.append(
+                    median_range_of(
+                        [v for run in runs if (v := per_request(run, side, "connections_accepted")) is not None], 2
+                    )
+                )
+            rows.append(row)
+    headers = ["Setting", "Clients", "Repeats", *PAIRED_HEADERS]
+    headers += [f"API server CPU ms per token, {side}'s runs" for side in SIDES]
+    return md_table([*headers, *(f"connections per request, {side}" for side in SIDES)], rows)
+
+
 TABLE_COLUMNS = (  # (header, key, digits)
     ("Clients", "concurrency", 0),
     ("Harness TTFT", "harness_ttft_ms", 2),

@@ -677,6 +677,31 @@ def test_fidelity_splits_the_servers_ttft_into_its_phases():
     assert "| 8 | harness | 9.0 |" in table and "| 8 | bench | - |" in table
 
 
+def test_fidelity_compares_settings_by_what_each_clients_runs_cost_the_server():
+    from llmstack.bench import loadtest_fidelity
+
+    def run(repeat: int, harness_tok_s: float) -> dict:
+        return {
+            "concurrency": 512,
+            "repeat": repeat,
+            "harness_throughput_tok_s": harness_tok_s,
+            "bench_throughput_tok_s": 1000.0,
+            "harness_requests": 100,
+            "bench_completed": 100,
+            "harness_connections_accepted": 126,
+            "bench_connections_accepted": 100,
+            "harness_server_api_server_cpu_ms_per_token": 0.9,
+            "bench_server_api_server_cpu_ms_per_token": 0.5,
+        }
+
+    data = {"settings": {"levels": [512]}, "runs": [run(0, 900.0), run(1, 950.0), run(2, 920.0)]}
+    table = loadtest_fidelity.settings_paired_table([("interval 0.05", data)])
+    row = table.splitlines()[2]
+    assert row.startswith("| interval 0.05 | 512 | 3 | -8.0% (-10.0 to -5.0) missed |")
+    assert row.endswith("| 0.900 (0.900–0.900) | 0.500 (0.500–0.500) | 1.26 (1.26–1.26) | 1.00 (1.00–1.00) |")
+    assert loadtest_fidelity.per_request({"bench_connections_accepted": 3}, "bench", "connections_accepted") is None
+
+
 def test_fidelity_keeps_each_finished_repeat_when_a_command_is_stopped(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
