@@ -70,7 +70,7 @@ def test_concurrency_table_is_self_consistent(experiments):
         assert row["ttft_ms"]["p99"] < row["e2e_ms"]["p99"] * (1 + 1e-9)
         # The step really had `level` requests open at once, never more; vLLM never ran more than
         # that either. (Only an upper bound from vLLM's gauge here: on this 2-core machine the API
-        # server that answers the 50 ms polls is itself starved while it streams, so a step's polls
+        # server that answers the polls is itself starved while it streams, so a step's polls
         # can all land in quiet moments and read 0, as CI runs saw at concurrency 2 and at 8. On
         # the H200 run the gauge reached every level: docs/gpu-results/summary.json.)
         assert row["max_in_flight"] == level
