@@ -237,6 +237,7 @@ def run(args: argparse.Namespace, levels: list[int]) -> int:
         "host": settings.host,
         "levels": levels,
         "loader_processes": runner.loader_processes,
+        "running_sample_interval_s": args.running_sample_interval,
         "results_dir": str(out_dir),
         "started": datetime.now(UTC).isoformat(),
         "prompt": settings.prompt,  # what every plain request sent (the fidelity benchmark sends it too)
