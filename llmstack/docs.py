@@ -176,7 +176,7 @@ def experiments_spread(runs: list[dict]) -> str:
         return " / ".join(f"{value:.{digits}f}" if (value := pick(run)) is not None else "-" for run in runs)
 
     return (
-        f"The same command {len(runs)} times in a row: client TTFT mean "
+        f"The same command {len(runs)} times: client TTFT mean "
         f"{figures(lambda run: run['concurrency']['vllm']['client_ttft_mean_ms'])} ms against vLLM's "
         f"{figures(lambda run: run['concurrency']['vllm']['vllm_ttft_mean_ms'])} ms over the same requests; "
         f"client TPOT mean {figures(lambda run: run['concurrency']['vllm']['client_tpot_mean_ms'], 2)} ms "
@@ -461,6 +461,8 @@ GENERATORS["hop-timing-cpu"] = Generator(HOP_TIMING, hop_timing_policies, by_nam
 GENERATORS["experiments-cpu"] = Generator("docs/loadtest/experiments-cpu", experiments_sample)  # type: ignore[arg-type]
 # The same, before the Locust containers' CPU weight was raised (LOCUST_CPU_SHARES).
 GENERATORS["experiments-cpu-before"] = Generator("docs/loadtest/experiments-cpu-before", experiments_spread)  # type: ignore[arg-type]
+# The same command interleaved with experiments-cpu's, at the old 50 ms poll of vLLM's running requests.
+GENERATORS["experiments-cpu-old-poll"] = Generator("docs/loadtest/experiments-cpu-old-poll", experiments_spread)  # type: ignore[arg-type]
 GENERATORS["goodput-h100"] = Generator("docs/loadtest/goodput-h100.json", goodput_report)  # type: ignore[arg-type]
 GENERATORS["goodput-h100-sweeps"] = Generator("docs/loadtest/goodput-h100-sweeps", goodput_sweeps.docs_report)  # type: ignore[arg-type]
 DOCUMENTS = (
