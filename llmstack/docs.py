@@ -443,7 +443,8 @@ def sample_interval_ab(results: dict[str, dict]) -> str:
         (f"--running-sample-interval {interval}", loadtest_fidelity.merge_results(parts, pool_levels=True))
         for interval, parts in sorted(by_setting(results, "-interval-").items(), key=lambda item: float(item[0]))
     ]
-    return loadtest_fidelity.settings_table(groups) + "\n\n" + loadtest_fidelity.settings_paired_table(groups)
+    tables = (loadtest_fidelity.settings_table, loadtest_fidelity.settings_paired_table)
+    return "\n\n".join(table(groups) for table in (*tables, loadtest_fidelity.settings_phases_table))
 
 
 GENERATORS["running-sample-interval-cpu"] = Generator(SAMPLE_INTERVAL_CPU, sample_interval_ab, by_name=True)  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -155,8 +156,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.running_sample_interval <= 0:
-        parser.error("--running-sample-interval must be positive")
+    if not 0 < args.running_sample_interval < math.inf:
+        parser.error("--running-sample-interval must be a positive number of seconds")
     if args.streaming_max_tokens < 2 or args.max_tokens < 2:
         parser.error("--max-tokens and --streaming-max-tokens must be at least 2 (TPOT needs two tokens)")
     if args.requests_per_client is not None and args.requests_per_client < 1:

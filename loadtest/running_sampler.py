@@ -9,6 +9,7 @@ is slow.
 
 from __future__ import annotations
 
+import math
 import time
 
 from llmstack import promtext
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-seconds", type=float, default=3600, help="stop after this long (default: %(default)s)")
     args = parser.parse_args(argv)
+    if not 0 < args.interval < math.inf or not 0 < args.max_seconds < math.inf:
+        parser.error("--interval and --max-seconds must be positive numbers of seconds")
     deadline = time.perf_counter() + args.max_seconds
     try:
         while time.perf_counter() < deadline:

@@ -15,8 +15,9 @@ from llmstack.cli import UsageError
 LAB_PROMPT = "Please describe the inference process of large language models in three sentences"
 DEFAULT_LEVELS = (1, 2, 4, 8)
 # How often the harness reads vLLM's num_requests_running during a run. Each read makes vLLM's API
-# server, the process that also streams every token, render its whole /metrics page: 3.8 ms of its
-# CPU on the 2-core CPU stack. Every 50 ms (before) that was 8 % of a core; twice a second, 0.8 %.
+# server, the process that also streams every token, render its whole /metrics page: 3.5-4.3 ms of
+# its CPU on the 2-core CPU stack. Every 50 ms (before) that cost the harness a sixth of its tokens/s
+# against `vllm bench serve` at 1 client; every 0.5 s, no difference (docs/loadtest.md).
 RUNNING_SAMPLE_INTERVAL_S = 0.5
 
 

@@ -40,12 +40,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import time
 import urllib.parse
 from datetime import UTC, datetime
+from itertools import pairwise
 from pathlib import Path
 
 from llmstack import REPO_ROOT
@@ -164,10 +166,56 @@ def snapshot(stack: ComposeStack | HostVllm) -> Snapshot:
     return Snapshot.from_text(stack.get("/metrics"))
 
 
+# What one read of vLLM's /metrics costs its API server, idle: the harness reads the page while it
+# runs (--running-sample-interval), `vllm bench serve` does not. Run where vLLM's Python is.
+METRICS_READS = 50
+METRICS_READ_COST = """
+import json, re, time, urllib.request
+def read():
+    return urllib.request.urlopen(URL, timeout=30).read().decode()
+def cpu(text):
+    found = re.search(r"^process_cpu_seconds_total (\\S+)$", text, re.M)
+    return float(found.group(1)) if found else None
+first = read()
+started = time.perf_counter()
+for _ in range(READS):
+    read()
+wall = time.perf_counter() - started
+last = read()
+used = None if cpu(first) is None or cpu(last) is None else cpu(last) - cpu(first)
+print(json.dumps({
+    "reads": READS,
+    "page_bytes": len(first.encode()),
+    "wall_ms_per_read": wall * 1000 / READS,
+    "api_server_cpu_ms_per_read": None if used is None else used * 1000 / (READS + 1),
+}))
+"""
+
+
+def metrics_read_cost(target: Target) -> dict | None:
+    """METRICS_READ_COST's figures, or None where they could not be had (the run goes on)."""
+    code = f"URL = {target.bench_url + '/metrics'!r}\nREADS = {METRICS_READS}\n" + METRICS_READ_COST
+    try:
+        return json.loads(target.stack.python(code))
+    except (StackError, ValueError) as err:
+        progress(f"the cost of a /metrics read is unmeasured: {err}")
+        return None
+
+
+def server_snapshot(target: Target) -> Snapshot | None:
+    """vLLM's /metrics for the server phases of a run; None (no phases) where a read fails, so a
+    lost read costs that run its phases, not the command."""
+    try:
+        return snapshot(target.stack)
+    except StackError as err:
+        progress(f"vLLM's metrics unread, this run has no server phases: {err}")
+        return None
+
+
 # The kernel's TCP counters that show connections lost on the way in (/proc/net/netstat, TcpExt: a
 # SYN dropped by a full listen queue costs its client a retransmission 1 s later), and how many
-# connections and segments a run cost (/proc/net/snmp, Tcp: on loopback the server's accepts and
-# every segment once, whichever end sent it).
+# connections and segments a run cost (/proc/net/snmp, Tcp). Read where vLLM is: in its container's
+# network namespace on the compose stack, or on this host when vLLM listens on its loopback.
 TCP_COUNTERS = {
     "syn_retrans": ("TcpExt", "TCPSynRetrans"),
     "listen_overflows": ("TcpExt", "ListenOverflows"),
@@ -176,24 +224,33 @@ TCP_COUNTERS = {
 }
 
 
-def tcp_counters(proc_net: Path = Path("/proc/net")) -> dict[str, int]:
-    """TCP_COUNTERS now, for this network namespace (those of a missing file left out)."""
+def parse_tcp_counters(*texts: str) -> dict[str, int]:
+    """TCP_COUNTERS from /proc/net/netstat and /proc/net/snmp texts: each protocol there is a line
+    of names ("TcpExt: Name Name ...") followed by one of values ("TcpExt: 1 2 ...")."""
     tables: dict[str, dict[str, int]] = {}
-    for name in ("netstat", "snmp"):
-        try:
-            lines = (proc_net / name).read_text().splitlines()
-        except OSError:
-            continue
-        # Each protocol is a pair of lines: "TcpExt: Name Name ..." then "TcpExt: 1 2 ...".
-        for names, values in zip(lines[::2], lines[1::2], strict=False):
-            protocol = names.split(":", 1)[0]
-            if values.startswith(protocol + ":"):
-                tables[protocol] = dict(zip(names.split()[1:], (int(v) for v in values.split()[1:]), strict=False))
+    for text in texts:
+        lines = text.splitlines()
+        for names, values in pairwise(lines):
+            protocol, _, rest = names.partition(":")
+            numbers = values.removeprefix(protocol + ":").split()
+            if values.startswith(protocol + ":") and numbers and all(n.lstrip("-").isdigit() for n in numbers):
+                tables[protocol] = dict(zip(rest.split(), (int(n) for n in numbers), strict=False))
     return {
         key: tables[protocol][name]
         for key, (protocol, name) in TCP_COUNTERS.items()
         if name in tables.get(protocol, {})
     }
+
+
+def tcp_counters(stack: ComposeStack | HostVllm) -> dict[str, int]:
+    """TCP_COUNTERS now in vLLM's network namespace (empty where /proc/net cannot be read)."""
+    texts = []
+    for name in ("netstat", "snmp"):
+        try:
+            texts.append(stack.read_file(f"/proc/net/{name}"))
+        except StackError:
+            continue
+    return parse_tcp_counters(*texts)
 
 
 def tcp_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -206,8 +263,9 @@ def mean_ms(before: Snapshot, after: Snapshot, name: str) -> float | None:
 
 
 # vLLM's v1 histograms that split a request's TTFT: waiting for a batch slot, then scheduled until
-# its first token; the rest of the TTFT histogram is the API server process (input and output
-# handling, its event loop). With the engine's steps and the API server's CPU time (prometheus_client's
+# its first token; the rest of the TTFT histogram is the API server process's share (the request's
+# hand-over to the engine and back, its output loop's lag; not the HTTP read or write, which the
+# histogram leaves out). With the engine's steps and the API server's CPU time (prometheus_client's
 # process collector) they say which part of the server a client's requests kept waiting.
 QUEUE_HISTOGRAM = "vllm:request_queue_time_seconds"
 PREFILL_HISTOGRAM = "vllm:request_prefill_time_seconds"
@@ -217,8 +275,10 @@ API_SERVER_CPU = "process_cpu_seconds_total"
 
 
 def server_phases(before: Snapshot, after: Snapshot) -> dict[str, float | None]:
-    """Where vLLM says one client's run went: mean queue, prefill and API-server share of the TTFT
-    (ms), tokens per engine step, and the API server's CPU ms per generated token."""
+    """Where vLLM says one client's run went: its TTFT histogram's mean and that mean's queue,
+    prefill and API-server shares (ms), tokens per engine step, and the API server's CPU ms per
+    generated token. The window is the client's whole command: for the harness, its warm-up request
+    and start-up too."""
     ttft, queue, prefill = (
         mean_ms(before, after, name) for name in (TTFT_HISTOGRAM, QUEUE_HISTOGRAM, PREFILL_HISTOGRAM)
     )
@@ -226,6 +286,7 @@ def server_phases(before: Snapshot, after: Snapshot) -> dict[str, float | None]:
     generated = before.delta(after, GENERATED_TOKENS)
     has_cpu = before.has(API_SERVER_CPU) and after.has(API_SERVER_CPU)
     return {
+        "ttft_ms": ttft,
         "queue_ms": queue,
         "prefill_ms": prefill,
         "api_server_ms": ttft - queue - prefill if None not in (ttft, queue, prefill) else None,  # type: ignore[operator]
@@ -396,6 +457,7 @@ SERVER_COMPARED = (
 def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_root: str) -> dict:
     """Every level --repeats times, harness and `vllm bench serve` in ABBA order."""
     runs = []
+    metrics_read = metrics_read_cost(target)
     started = time.monotonic()
     prompt = ""  # the harness's: it runs first in repeat 0 (ABBA), so every bench run knows it
     for level in args.levels:
@@ -405,8 +467,9 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
             for client in order:
                 progress(f"concurrency {level}, repeat {repeat + 1}/{args.repeats}: {client}")
                 # Only where client and vLLM share this host's network: vLLM on loopback, not in compose.
-                tcp_before = tcp_counters() if target.on_loopback else {}
-                server_before = snapshot(target.stack)
+                server_before = server_snapshot(target)
+                # Only where they are vLLM's: its container's, or this host's with vLLM on loopback.
+                tcp_before = tcp_counters(target.stack) if target.in_compose or target.on_loopback else {}
                 if client == "harness":
                     measured = harness_level(target, args, level)
                     row, check = measured["row"], measured["check"]
@@ -433,18 +496,28 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
                     bench = bench_serve(target, args, level, model, args.tokenizer or model_root, prompt)
                     entry.update({f"bench_{key}": value for key, value in bench.items()})
                 if tcp_before:
-                    entry.update({f"{client}_{key}": n for key, n in tcp_delta(tcp_before, tcp_counters()).items()})
-                phases = server_phases(server_before, snapshot(target.stack))
-                entry.update({f"{client}_server_{key}": value for key, value in phases.items()})
+                    tcp_after = tcp_counters(target.stack)
+                    entry.update({f"{client}_{key}": n for key, n in tcp_delta(tcp_before, tcp_after).items()})
+                server_after = server_snapshot(target)
+                if server_before and server_after:
+                    phases = server_phases(server_before, server_after)
+                    entry.update({f"{client}_server_{key}": value for key, value in phases.items()})
             runs.append(entry)
             progress(f"concurrency {level}, repeat {repeat + 1}: done after {time.monotonic() - started:.0f} s")
             if args.output:
                 # Each finished repeat kept at once: a command stopped at a time limit loses only the repeat it was in.
-                write_json(Path(args.output), repeats_result(args, runs, prompt, started, complete=False))
-    return repeats_result(args, runs, prompt, started, complete=True)
+                write_json(Path(args.output), repeats_result(args, runs, prompt, started, False, metrics_read))
+    return repeats_result(args, runs, prompt, started, True, metrics_read)
 
 
-def repeats_result(args: argparse.Namespace, runs: list[dict], prompt: str, started: float, complete: bool) -> dict:
+def repeats_result(
+    args: argparse.Namespace,
+    runs: list[dict],
+    prompt: str,
+    started: float,
+    complete: bool,
+    metrics_read: dict | None = None,
+) -> dict:
     """measure_repeats' result from the runs so far; "complete" is false until every repeat ran."""
     levels = [level for level in args.levels if any(run["concurrency"] == level for run in runs)]
     return {
@@ -454,6 +527,7 @@ def repeats_result(args: argparse.Namespace, runs: list[dict], prompt: str, star
             "client_cpus": os.cpu_count(),
             "client_python": sys.version.split()[0],
             "duration_s": round(time.monotonic() - started, 1),
+            "vllm_metrics_read": metrics_read,
         },
         "settings": {
             "levels": levels,  # those measured so far
@@ -775,6 +849,7 @@ def server_view_table(data: dict) -> str:
 
 
 SERVER_PHASES = (  # (header, server_phases' key, digits)
+    ("vLLM hist TTFT mean ms", "ttft_ms", 1),
     ("queue ms", "queue_ms", 1),
     ("prefill ms", "prefill_ms", 1),
     ("API server ms", "api_server_ms", 1),
@@ -784,21 +859,35 @@ SERVER_PHASES = (  # (header, server_phases' key, digits)
 
 
 def server_phases_table(data: dict) -> str:
-    """Per level and client, median (min-max) over the repeats: vLLM's TTFT histogram of that
-    client's requests split into its phases, the engine's batch and the API server's CPU cost."""
+    """Per level and client, median (min-max) over the repeats: vLLM's TTFT histogram over that
+    client's command split into its phases, the engine's batch and the API server's CPU cost."""
+    return settings_phases_table([("", data)])
+
+
+def settings_phases_table(groups: list[tuple[str, dict]]) -> str:
+    """server_phases_table for each setting (a label and its results, merged); without labels, no
+    setting column."""
+    labelled = any(label for label, _ in groups)
+    rows = []
+    for label, data in groups:
+        rows += phases_rows(data, [label] if labelled else [])
+    headers = ["Clients", "client's command", *(header for header, _, _ in SERVER_PHASES)]
+    return md_table((["Setting"] if labelled else []) + headers, rows)
+
+
+def phases_rows(data: dict, first: list[str]) -> list[list[str]]:
     rows = []
     for level in data["settings"]["levels"]:
         runs = [run for run in data["runs"] if run["concurrency"] == level]
-        for side, histogram in (("harness", "vllm_hist_ttft_ms"), ("bench", "bench_vllm_ttft_ms")):
-            row = [str(level), side, median_range_of([run[histogram] for run in runs if run.get(histogram)], 1)]
+        for side in SIDES:
+            row = [*first, str(level), side]
             for _, key, digits in SERVER_PHASES:
                 values = [
                     run[name] for run in runs if (name := f"{side}_server_{key}") in run and run[name] is not None
                 ]
                 row.append(median_range_of(values, digits))
             rows.append(row)
-    headers = ["Clients", "client's requests", "vLLM hist TTFT mean ms", *(header for header, _, _ in SERVER_PHASES)]
-    return md_table(headers, rows)
+    return rows
 
 
 def ttft_deciles_table(data: dict) -> str:
@@ -918,9 +1007,13 @@ def settings_table(groups: list[tuple[str, dict]], target_ratio: float = 1.25) -
 
 
 def per_request(run: dict, side: str, key: str) -> float | None:
-    """One client's count of a run (TCP_COUNTERS) per request it completed."""
-    count, requests = run.get(f"{side}_{key}"), run.get("harness_requests" if side == "harness" else "bench_completed")
-    return count / requests if isinstance(count, int | float) and requests else None
+    """One client's count of a run (TCP_COUNTERS) per request it completed without failure."""
+    if side == "harness":
+        requests = (run.get("harness_requests") or 0) - (run.get("harness_failures") or 0)
+    else:
+        requests = run.get("bench_completed") or 0
+    count = run.get(f"{side}_{key}")
+    return count / requests if isinstance(count, int | float) and requests > 0 else None
 
 
 def settings_paired_table(groups: list[tuple[str, dict]]) -> str:
@@ -1010,8 +1103,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError("--requests-per-client must be positive, --max-tokens at least 2")
     if args.repeats < 1 or args.min_requests < 1:
         raise UsageError("--repeats and --min-requests must be at least 1")
-    if args.running_sample_interval <= 0:
-        raise UsageError("--running-sample-interval must be positive")
+    if not 0 < args.running_sample_interval < math.inf:
+        raise UsageError("--running-sample-interval must be a positive number of seconds")
     if args.repeats > 1 and args.no_bench:
         raise UsageError("--repeats compares with `vllm bench serve`: drop --no-bench or use --repeats 1")
     return args

@@ -16,6 +16,7 @@ from llmstack import composefile, docs
 from llmstack.bench import gateway_overhead, gateway_vs_direct, noisy_neighbour
 from llmstack.cli import UsageError
 from llmstack.stats import percentile
+from llmstack.vllm import HostVllm, StackError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -588,23 +589,32 @@ def test_fidelity_reads_bench_serves_requests_from_its_detailed_result():
 def test_fidelity_reads_the_kernels_tcp_counters_and_merges_results(tmp_path):
     from llmstack.bench import loadtest_fidelity
 
-    (tmp_path / "netstat").write_text(
+    netstat = (
         "TcpExt: SyncookiesSent ListenOverflows TCPSynRetrans\nTcpExt: 0 3 7\n"
         "IpExt: InNoRoutes ListenOverflows\nIpExt: 1 99\n"
     )
-    assert loadtest_fidelity.tcp_counters(tmp_path) == {"syn_retrans": 7, "listen_overflows": 3}
-    (tmp_path / "snmp").write_text(
-        "Ip: Forwarding InReceives\nIp: 1 500\n"
-        "Tcp: RtoAlgorithm ActiveOpens PassiveOpens InSegs OutSegs\nTcp: 1 40 41 900 880\n"
+    assert loadtest_fidelity.parse_tcp_counters(netstat) == {"syn_retrans": 7, "listen_overflows": 3}
+    # A line out of step (here a stray one first) costs nothing: each names line pairs with the next.
+    snmp = (
+        "stray\nIp: Forwarding InReceives\nIp: 1 500\n"
+        "Tcp: RtoAlgorithm MaxConn ActiveOpens PassiveOpens InSegs OutSegs\nTcp: 1 -1 40 41 900 880\n"
     )
-    assert loadtest_fidelity.tcp_counters(tmp_path) == {
+    assert loadtest_fidelity.parse_tcp_counters(netstat, snmp) == {
         "syn_retrans": 7,
         "listen_overflows": 3,
         "connections_accepted": 41,
         "tcp_segments": 880,
     }
-    assert loadtest_fidelity.tcp_counters(tmp_path / "missing") == {}
-    assert set(loadtest_fidelity.tcp_counters()) == set(loadtest_fidelity.TCP_COUNTERS)  # this Linux host's
+    assert loadtest_fidelity.parse_tcp_counters("", "garbage: a b\n") == {}
+    # Read where vLLM is (HostVllm: this host); an unreadable /proc/net leaves the counters out.
+    here = HostVllm("http://127.0.0.1:8000", tmp_path / "vllm.log")
+    assert set(loadtest_fidelity.tcp_counters(here)) == set(loadtest_fidelity.TCP_COUNTERS)  # this Linux host's
+
+    class Unreadable:
+        def read_file(self, path):
+            raise StackError(f"cannot read {path}")
+
+    assert loadtest_fidelity.tcp_counters(Unreadable()) == {}  # type: ignore[arg-type]
     assert loadtest_fidelity.tcp_delta({"syn_retrans": 3, "gone": 1}, {"syn_retrans": 5}) == {"syn_retrans": 2}
 
     def result(levels: list[int], **settings: int) -> dict:
@@ -657,6 +667,7 @@ def test_fidelity_splits_the_servers_ttft_into_its_phases():
     # No requests between the snapshots, no process collector: no figures, no error.
     idle = loadtest_fidelity.server_phases(before, Snapshot.from_text(page(10, 1.0, 0.2, 0.3, 100, 50.0, 500)))
     assert idle == {
+        "ttft_ms": None,
         "queue_ms": None,
         "prefill_ms": None,
         "api_server_ms": None,
@@ -671,10 +682,10 @@ def test_fidelity_splits_the_servers_ttft_into_its_phases():
             for _, key, _ in loadtest_fidelity.SERVER_PHASES
         },
     }
-    table = loadtest_fidelity.server_phases_table(
-        {"settings": {"levels": [8]}, "runs": [run | {"vllm_hist_ttft_ms": 9.0}]}
-    )
-    assert "| 8 | harness | 9.0 |" in table and "| 8 | bench | - |" in table
+    run["harness_server_ttft_ms"] = 9.0
+    del run["bench_server_queue_ms"]
+    table = loadtest_fidelity.server_phases_table({"settings": {"levels": [8]}, "runs": [run]})
+    assert "| 8 | harness | 9.0 | 1.0 |" in table and "| 8 | bench | 1.0 | - |" in table
 
 
 def test_fidelity_compares_settings_by_what_each_clients_runs_cost_the_server():
@@ -700,6 +711,11 @@ def test_fidelity_compares_settings_by_what_each_clients_runs_cost_the_server():
     assert row.startswith("| interval 0.05 | 512 | 3 | -8.0% (-10.0 to -5.0) missed |")
     assert row.endswith("| 0.900 (0.900–0.900) | 0.500 (0.500–0.500) | 1.26 (1.26–1.26) | 1.00 (1.00–1.00) |")
     assert loadtest_fidelity.per_request({"bench_connections_accepted": 3}, "bench", "connections_accepted") is None
+    failed_two = {"harness_requests": 10, "harness_failures": 2, "harness_connections_accepted": 4}
+    assert loadtest_fidelity.per_request(failed_two, "harness", "connections_accepted") == 0.5
+    for interval in ("0", "-1", "nan", "inf"):
+        with pytest.raises(UsageError, match="positive number of seconds"):
+            loadtest_fidelity.parse_args(["--running-sample-interval", interval])
 
 
 def test_fidelity_keeps_each_finished_repeat_when_a_command_is_stopped(tmp_path, monkeypatch):
@@ -721,10 +737,13 @@ def test_fidelity_keeps_each_finished_repeat_when_a_command_is_stopped(tmp_path,
     monkeypatch.setattr(loadtest_fidelity, "harness_level", harness)
     monkeypatch.setattr(loadtest_fidelity, "bench_serve", lambda *_: {"throughput_tok_s": 1000.0, "ttft_ms": 29.0})
     monkeypatch.setattr(loadtest_fidelity, "snapshot", lambda _stack: loadtest_fidelity.Snapshot())
+    monkeypatch.setattr(loadtest_fidelity, "metrics_read_cost", lambda _target: {"reads": 50})
     output = tmp_path / "result.json"
     args = loadtest_fidelity.parse_args(["--levels", "8,64", "--output", str(output)])
     with pytest.raises(KeyboardInterrupt):
-        loadtest_fidelity.measure_repeats(SimpleNamespace(on_loopback=False, stack=None), args, "m", "m")
+        loadtest_fidelity.measure_repeats(
+            SimpleNamespace(on_loopback=False, in_compose=False, stack=None), args, "m", "m"
+        )
     kept = json.loads(output.read_text())
     assert kept["complete"] is False and kept["settings"]["levels"] == [8] and len(kept["runs"]) == 3
     assert kept["settings"]["levels_asked"] == [8, 64] and not list(tmp_path.glob(".*.partial"))
