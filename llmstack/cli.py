@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -175,6 +176,17 @@ def save_chart(plt: Any, fig: Any, path: Path) -> None:
 def repeated_values(values: list) -> list:
     """The values given more than once, sorted: a list of steps where each must be one step."""
     return sorted({value for value in values if values.count(value) > 1})
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds (not nan, inf, 0 or below)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text!r}")
+    return value
 
 
 def parse_levels(text: str, what: str = "--levels") -> list[int]:

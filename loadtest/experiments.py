@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from llmstack.cli import add_json_argument, main_exit, parser_from_doc
+from llmstack.cli import add_json_argument, main_exit, parser_from_doc, positive_seconds
 from loadtest.settings import RUNNING_SAMPLE_INTERVAL_S, SettingsError, check_host, parse_rates
 
 PROG = "python -m loadtest.experiments"
@@ -86,7 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--running-sample-interval",
-        type=float,
+        type=positive_seconds,
         default=RUNNING_SAMPLE_INTERVAL_S,
         help="seconds between reads of vLLM's running requests during a run; each read costs the "
         "server's API process a /metrics page (default: %(default)s)",
@@ -156,8 +155,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if not 0 < args.running_sample_interval < math.inf:
-        parser.error("--running-sample-interval must be a positive number of seconds")
     if args.streaming_max_tokens < 2 or args.max_tokens < 2:
         parser.error("--max-tokens and --streaming-max-tokens must be at least 2 (TPOT needs two tokens)")
     if args.requests_per_client is not None and args.requests_per_client < 1:

@@ -9,11 +9,10 @@ is slow.
 
 from __future__ import annotations
 
-import math
 import time
 
 from llmstack import promtext
-from llmstack.cli import main_exit, parser_from_doc
+from llmstack.cli import main_exit, parser_from_doc, positive_seconds
 from loadtest.settings import RUNNING_SAMPLE_INTERVAL_S
 
 PROG = "python -m loadtest.running_sampler"
@@ -29,12 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = parser_from_doc(PROG, __doc__)
     parser.add_argument("url", help="vLLM's /metrics URL")
     parser.add_argument(
-        "--interval", type=float, default=RUNNING_SAMPLE_INTERVAL_S, help="seconds between polls (default: %(default)s)"
+        "--interval",
+        type=positive_seconds,
+        default=RUNNING_SAMPLE_INTERVAL_S,
+        help="seconds between polls (default: %(default)s)",
     )
-    parser.add_argument("--max-seconds", type=float, default=3600, help="stop after this long (default: %(default)s)")
+    parser.add_argument(
+        "--max-seconds", type=positive_seconds, default=3600, help="stop after this long (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
-    if not 0 < args.interval < math.inf or not 0 < args.max_seconds < math.inf:
-        parser.error("--interval and --max-seconds must be positive numbers of seconds")
     deadline = time.perf_counter() + args.max_seconds
     try:
         while time.perf_counter() < deadline:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -59,6 +58,7 @@ from llmstack.cli import (
     main_exit,
     parse_levels,
     parser_from_doc,
+    positive_seconds,
     progress,
     write_json,
 )
@@ -167,39 +167,35 @@ def snapshot(stack: ComposeStack | HostVllm) -> Snapshot:
 
 
 # What one read of vLLM's /metrics costs its API server, idle: the harness reads the page while it
-# runs (--running-sample-interval), `vllm bench serve` does not. Run where vLLM's Python is.
+# runs (--running-sample-interval), `vllm bench serve` does not. The reads run where vLLM's Python
+# is; the API server's CPU comes from our own snapshots around them (one of whose renders counts too).
 METRICS_READS = 50
-METRICS_READ_COST = """
-import json, re, time, urllib.request
-def read():
-    return urllib.request.urlopen(URL, timeout=30).read().decode()
-def cpu(text):
-    found = re.search(r"^process_cpu_seconds_total (\\S+)$", text, re.M)
-    return float(found.group(1)) if found else None
-first = read()
+METRICS_READS_CODE = """
+import json, time, urllib.request
 started = time.perf_counter()
 for _ in range(READS):
-    read()
-wall = time.perf_counter() - started
-last = read()
-used = None if cpu(first) is None or cpu(last) is None else cpu(last) - cpu(first)
-print(json.dumps({
-    "reads": READS,
-    "page_bytes": len(first.encode()),
-    "wall_ms_per_read": wall * 1000 / READS,
-    "api_server_cpu_ms_per_read": None if used is None else used * 1000 / (READS + 1),
-}))
+    page = urllib.request.urlopen(URL, timeout=30).read()
+print(json.dumps({"page_bytes": len(page), "wall_ms_per_read": (time.perf_counter() - started) * 1000 / READS}))
 """
 
 
 def metrics_read_cost(target: Target) -> dict | None:
-    """METRICS_READ_COST's figures, or None where they could not be had (the run goes on)."""
-    code = f"URL = {target.bench_url + '/metrics'!r}\nREADS = {METRICS_READS}\n" + METRICS_READ_COST
+    """METRICS_READS reads' page size, wall time and API-server CPU per read, or None where they
+    could not be had (the run goes on)."""
+    code = f"URL = {target.bench_url + '/metrics'!r}\nREADS = {METRICS_READS}\n" + METRICS_READS_CODE
     try:
-        return json.loads(target.stack.python(code))
+        before = snapshot(target.stack)
+        reads = json.loads(target.stack.python(code))
+        after = snapshot(target.stack)
     except (StackError, ValueError) as err:
         progress(f"the cost of a /metrics read is unmeasured: {err}")
         return None
+    cpu = before.delta(after, API_SERVER_CPU) if before.has(API_SERVER_CPU) and after.has(API_SERVER_CPU) else None
+    return {
+        "reads": METRICS_READS,
+        **reads,
+        "api_server_cpu_ms_per_read": None if cpu is None else cpu * 1000 / (METRICS_READS + 1),
+    }
 
 
 def server_snapshot(target: Target) -> Snapshot | None:
@@ -466,7 +462,6 @@ def measure_repeats(target: Target, args: argparse.Namespace, model: str, model_
             entry: dict = {"concurrency": level, "repeat": repeat, "order": list(order)}
             for client in order:
                 progress(f"concurrency {level}, repeat {repeat + 1}/{args.repeats}: {client}")
-                # Only where client and vLLM share this host's network: vLLM on loopback, not in compose.
                 server_before = server_snapshot(target)
                 # Only where they are vLLM's: its container's, or this host's with vLLM on loopback.
                 tcp_before = tcp_counters(target.stack) if target.in_compose or target.on_loopback else {}
@@ -1090,7 +1085,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--running-sample-interval",
-        type=float,
+        type=positive_seconds,
         default=RUNNING_SAMPLE_INTERVAL_S,
         help="the harness's seconds between reads of vLLM's running requests (default: %(default)s)",
     )
@@ -1103,8 +1098,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError("--requests-per-client must be positive, --max-tokens at least 2")
     if args.repeats < 1 or args.min_requests < 1:
         raise UsageError("--repeats and --min-requests must be at least 1")
-    if not 0 < args.running_sample_interval < math.inf:
-        raise UsageError("--running-sample-interval must be a positive number of seconds")
     if args.repeats > 1 and args.no_bench:
         raise UsageError("--repeats compares with `vllm bench serve`: drop --no-bench or use --repeats 1")
     return args
