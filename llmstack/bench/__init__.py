@@ -1,1 +1,37 @@
 """Benchmarks: measurements that print figures (thin entry points in benchmarks/)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import subprocess
+from datetime import UTC, datetime
+
+
+@functools.cache
+def _machine() -> dict:
+    info: dict = {
+        "client_python": platform.python_version(),
+        "client_cpus": os.cpu_count(),
+        # Two leases of one GPU model served the same workload 1.5x apart: the kernel tells
+        # their runtimes apart (gVisor reports 4.4.0, Firecracker its own build).
+        "kernel": platform.release(),
+    }
+    try:
+        gpu = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        if gpu.returncode == 0:
+            info["gpu"] = gpu.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return info
+
+
+def host_environment() -> dict:
+    """What a result file says of the machine that made it: the date, Python, CPUs, kernel and GPU."""
+    return {"date": datetime.now(UTC).isoformat(timespec="seconds"), **_machine()}

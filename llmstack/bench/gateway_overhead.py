@@ -36,13 +36,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from llmstack.bench import host_environment
 from llmstack.bench.gateway_report import TARGETS, fmt, md_table
 from llmstack.bench.loadtest_fidelity import VLLM_CPU_PATCH
 from llmstack.cli import (
@@ -555,12 +555,10 @@ def main(argv: list[str] | None = None) -> int:
     levels = measure(args, where, key)
     summary = {
         "environment": {
-            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            **host_environment(),
             "bench_where": where.description,
             "urls": where.urls,
             "max_model_len": model.get("max_model_len"),
-            "client_python": platform.python_version(),
-            "client_cpus": os.cpu_count(),
             "duration_s": round(time.perf_counter() - started, 1),
         },
         "settings": {

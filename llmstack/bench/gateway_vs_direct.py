@@ -30,7 +30,6 @@ import importlib.metadata
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from llmstack import REPO_ROOT
+from llmstack.bench import host_environment
 from llmstack.bench.gateway_overhead import add_api_key_argument
 from llmstack.bench.gateway_report import PATHS, charts, render, target_rows
 from llmstack.cli import StackError, UsageError, add_json_argument, main_exit, parse_levels, parser_from_doc, progress
@@ -142,11 +142,7 @@ def http_get(url: str, key: str | None = None, timeout: float = 10) -> tuple[int
 
 def environment(args: argparse.Namespace, key: str) -> dict:
     """Hardware and versions, for the report."""
-    info: dict = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "client_python": platform.python_version(),
-        "client_cpus": os.cpu_count(),
-    }
+    info = host_environment()
     vllm = HostVllm(args.direct, Path(args.vllm_log or os.devnull))
     info["vllm_version"] = json.loads(vllm.get("/version")).get("version")
     status, _, body = http_get(args.gateway + "/v1/models", key)
@@ -155,17 +151,6 @@ def environment(args: argparse.Namespace, key: str) -> dict:
     info["model"] = json.loads(body)["data"][0]["id"]
     model = served_model(vllm)
     info["model_root"], info["max_model_len"] = model.get("root"), model.get("max_model_len")
-    try:
-        gpu = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-        if gpu.returncode == 0:
-            info["gpu"] = gpu.stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        pass
     # Its version from the metadata: importing locust would gevent-patch this process, after
     # requests (llmstack.sse) has imported ssl, and break it.
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):

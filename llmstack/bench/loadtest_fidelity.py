@@ -45,11 +45,11 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from datetime import UTC, datetime
 from itertools import pairwise
 from pathlib import Path
 
 from llmstack import REPO_ROOT
+from llmstack.bench import host_environment
 from llmstack.bench.gateway_report import md_table, median_range, median_range_of
 from llmstack.cli import (
     StackError,
@@ -518,9 +518,7 @@ def repeats_result(
     return {
         "complete": complete,
         "environment": {
-            "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "client_cpus": os.cpu_count(),
-            "client_python": sys.version.split()[0],
+            **host_environment(),
             "duration_s": round(time.monotonic() - started, 1),
             "vllm_metrics_read": metrics_read,
         },

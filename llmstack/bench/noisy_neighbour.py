@@ -38,7 +38,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import queue
 import random
 import re
@@ -51,13 +50,13 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import requests
 
 from llmstack import REPO_ROOT, composefile, promtext
+from llmstack.bench import host_environment
 from llmstack.bench.gateway_report import fmt, md_table
 from llmstack.cli import (
     StackError,
@@ -880,12 +879,10 @@ def run(args: argparse.Namespace) -> dict:
         )
     summary = summarize(plan, b_records, a_records, sampler.samples if sampler else [])
     summary["environment"] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **host_environment(),
         "gateway": args.gateway,
         "model": model,
         "max_model_len": max_model_len,
-        "client_python": platform.python_version(),
-        "client_cpus": os.cpu_count(),
         "vllm_metrics": None if not sampler else (sampler.error or "read"),
     }
     summary["settings"] = {

@@ -56,10 +56,10 @@ import urllib.parse
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from llmstack.bench import host_environment
 from llmstack.bench.gateway_overhead import add_api_key_argument, read_key
 from llmstack.bench.gateway_report import fmt, md_table, verdict
 from llmstack.cli import (
@@ -835,15 +835,13 @@ class CapturedRun:
     def environment(self, args: argparse.Namespace) -> dict[str, Any]:
         """What a result file keeps of the capture and the client's host."""
         return {
-            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            **host_environment(),
             "gateway_url": args.gateway_url,
             "capture_filter": self.capture_filter,
             "tshark_version": self.tshark_version,
             "packets": sum(1 for line in self.text.splitlines() if not line.endswith("\t")),
             "packets_dropped": self.dropped,
             "capture_file": str(args.capture_file) if args.capture_file else None,
-            "client_python": platform.python_version(),
-            "client_cpus": os.cpu_count(),
             "host": platform.node(),
         }
 

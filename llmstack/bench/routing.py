@@ -41,18 +41,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import signal
 import sys
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from llmstack import launch, promtext
-from llmstack.bench import routing_workload
+from llmstack.bench import host_environment, routing_workload
 from llmstack.bench.gateway_report import fmt, median_range
 from llmstack.bench.loadtest_fidelity import VLLM_CPU_PATCH
 from llmstack.cli import (
@@ -771,13 +769,11 @@ def main(argv: list[str] | None = None) -> int:
     table = summarize(rows)
     summary = {
         "environment": {
-            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            **host_environment(),
             "bench_where": where.description,
             "replicas": where.count,
             "replica_kv_tokens": args.replica_kv_tokens,
             "max_model_len": model.get("max_model_len"),
-            "client_python": platform.python_version(),
-            "client_cpus": os.cpu_count(),
             "duration_s": round(time.perf_counter() - started, 1),
         },
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "output", "chart", "no_chart")},
