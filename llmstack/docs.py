@@ -448,6 +448,13 @@ def sample_interval_ab(results: dict[str, dict]) -> str:
 
 
 GENERATORS["running-sample-interval-cpu"] = Generator(SAMPLE_INTERVAL_CPU, sample_interval_ab, by_name=True)  # type: ignore[arg-type]
+# The same A/B at saturation on an H100: 512 clients (8 requests a client), 256 clients (4).
+for _folder in ("running-sample-interval-h100", "running-sample-interval-h100-256"):
+    GENERATORS[_folder] = Generator(f"docs/loadtest/{_folder}", sample_interval_ab, by_name=True)  # type: ignore[arg-type]
+# The ladder at the 0.5 s default on that lease, with each client's phases on the server.
+POLL_LADDER = "docs/loadtest/fidelity-h100-poll-0.5.json"
+for _suffix, _table in (*SAME_REQUESTS_TABLES, ("-phases", loadtest_fidelity.server_phases_table)):
+    GENERATORS[f"fidelity-h100-half-second-poll{_suffix}"] = Generator(POLL_LADDER, _table)  # type: ignore[arg-type]
 # The gateway path hop by hop on the CPU stack, router policies interleaved (NN-policy-P.json).
 HOP_TIMING = "docs/loadtest/hop-timing-cpu"
 
@@ -474,6 +481,12 @@ DOCUMENTS = (
 
 def regenerate(text: str, root: Path = REPO_ROOT) -> str:
     """The document with every generated block rewritten from its source."""
+    # A marker the pattern does not read (a name with a dot, a missing end) would be left alone silently.
+    starts = {match.start() for match in BLOCK.finditer(text)}
+    for marker in re.finditer(r"<!-- generated: ", text):
+        if marker.start() not in starts:
+            line = text.count("\n", 0, marker.start()) + 1
+            raise StackError(f"line {line}: a generated block's marker is malformed or has no matching end")
 
     def replace(match: re.Match) -> str:
         name, source = match["name"], match["source"]

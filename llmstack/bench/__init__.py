@@ -14,8 +14,8 @@ def _machine() -> dict:
     info: dict = {
         "client_python": platform.python_version(),
         "client_cpus": os.cpu_count(),
-        # Two leases of one GPU model served the same workload 1.5x apart: the kernel tells
-        # their runtimes apart (gVisor reports 4.4.0, Firecracker its own build).
+        # Leases of one GPU model served the same workload 1.5-3x apart; the kernel tells
+        # runtimes apart (gVisor reports 4.4.0, Firecracker its own build).
         "kernel": platform.release(),
     }
     try:

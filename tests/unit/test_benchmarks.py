@@ -425,6 +425,14 @@ def test_a_stale_generated_table_is_found(tmp_path):
     )
 
 
+def test_a_malformed_generated_marker_is_an_error_not_skipped():
+    # A dot in the name once left a block empty and --check passing.
+    text = "x\n<!-- generated: table-0.5 from docs/a.json by `python -m llmstack.docs`; do not edit -->\n"
+    text += "<!-- end generated: table-0.5 -->\n"
+    with pytest.raises(StackError, match="line 2: a generated block's marker is malformed"):
+        docs.regenerate(text)
+
+
 def test_soak_checks_judge_every_container_but_prometheus():
     from llmstack.bench import soak
 
