@@ -481,12 +481,13 @@ DOCUMENTS = (
 
 def regenerate(text: str, root: Path = REPO_ROOT) -> str:
     """The document with every generated block rewritten from its source."""
-    # A marker the pattern does not read (a name with a dot, a missing end) would be left alone silently.
-    starts = {match.start() for match in BLOCK.finditer(text)}
-    for marker in re.finditer(r"<!-- generated: ", text):
-        if marker.start() not in starts:
+    # A marker the pattern does not read (a name with a dot, a missing start or end) would be left
+    # alone silently. Documents hold markers only as real blocks, never as quoted text.
+    edges = {edge for match in BLOCK.finditer(text) for edge in (match.start("head"), match.start("tail"))}
+    for marker in re.finditer(r"<!--\s*(end\s+)?generated\s*:", text, re.I):
+        if marker.start() not in edges:
             line = text.count("\n", 0, marker.start()) + 1
-            raise StackError(f"line {line}: a generated block's marker is malformed or has no matching end")
+            raise StackError(f"line {line}: a generated block's marker is malformed or has no matching start or end")
 
     def replace(match: re.Match) -> str:
         name, source = match["name"], match["source"]

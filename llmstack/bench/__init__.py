@@ -14,7 +14,7 @@ def _machine() -> dict:
     info: dict = {
         "client_python": platform.python_version(),
         "client_cpus": os.cpu_count(),
-        # Leases of one GPU model served the same workload 1.5-3x apart; the kernel tells
+        # Leases of one GPU model served the same workload up to 3.7x apart; the kernel tells
         # runtimes apart (gVisor reports 4.4.0, Firecracker its own build).
         "kernel": platform.release(),
     }
@@ -26,12 +26,13 @@ def _machine() -> dict:
             timeout=20,
         )
         if gpu.returncode == 0:
-            info["gpu"] = gpu.stdout.strip()
+            info["gpu"] = "; ".join(line.strip() for line in gpu.stdout.splitlines() if line.strip())
     except (OSError, subprocess.TimeoutExpired):
         pass
     return info
 
 
 def host_environment() -> dict:
-    """What a result file says of the machine that made it: the date, Python, CPUs, kernel and GPU."""
+    """What a result file says of the machine the benchmark ran on (the client's; with --vllm-url
+    elsewhere, not the server's): the date, Python, CPUs, kernel and GPUs."""
     return {"date": datetime.now(UTC).isoformat(timespec="seconds"), **_machine()}

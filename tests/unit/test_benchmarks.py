@@ -411,7 +411,7 @@ def test_a_stale_generated_table_is_found(tmp_path):
     (tmp_path / docs.GPU_SUMMARY).write_text(json.dumps(results))
     stale = docs.stale_blocks(tmp_path)
     assert "README.md: h200-short" in stale and "docs/gpu-results.md: h200-summary" in stale
-    assert "docs/loadtest.md: h200-fidelity" not in stale
+    assert "docs/gpu-results.md: h200-fidelity" not in stale
     # A folder source: one sweep changed makes its block stale, and only that one.
     sweep = tmp_path / "docs/loadtest/goodput-h100-sweeps/sweep-1.json"
     summary = json.loads(sweep.read_text())
@@ -425,12 +425,28 @@ def test_a_stale_generated_table_is_found(tmp_path):
     )
 
 
-def test_a_malformed_generated_marker_is_an_error_not_skipped():
-    # A dot in the name once left a block empty and --check passing.
-    text = "x\n<!-- generated: table-0.5 from docs/a.json by `python -m llmstack.docs`; do not edit -->\n"
-    text += "<!-- end generated: table-0.5 -->\n"
+@pytest.mark.parametrize(
+    "text",
+    [
+        # A dot in the name once left a block empty and --check passing.
+        "x\n<!-- generated: table-0.5 from docs/a.json by `python -m llmstack.docs`; do not edit -->\n"
+        "<!-- end generated: table-0.5 -->\n",
+        "x\n<!-- end generated: h200-short -->\n",  # an end whose start was deleted
+        "x\n<!--Generated: h200-short from docs/gpu-results/summary.json -->\n",  # another spelling
+    ],
+)
+def test_a_malformed_generated_marker_is_an_error_not_skipped(text):
     with pytest.raises(StackError, match="line 2: a generated block's marker is malformed"):
         docs.regenerate(text)
+
+
+def test_host_environment_names_the_machine():
+    from llmstack.bench import host_environment
+
+    env = host_environment()
+    assert {"date", "client_python", "client_cpus", "kernel"} <= env.keys()
+    assert env["kernel"] and env["date"].endswith("+00:00")
+    assert "\n" not in env.get("gpu", "")  # one line, also with several GPUs
 
 
 def test_soak_checks_judge_every_container_but_prometheus():
