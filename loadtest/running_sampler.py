@@ -10,6 +10,7 @@ is slow.
 from __future__ import annotations
 
 import time
+import urllib.parse
 
 from llmstack import promtext
 from llmstack.cli import main_exit, parser_from_doc, positive_seconds
@@ -22,6 +23,27 @@ METRIC = "vllm:num_requests_running"
 def read_running(url: str) -> float | None:
     """Summed over every replica the URL's host name stands for."""
     return promtext.total(promtext.parse_family(promtext.fetch(url, timeout=2), METRIC), METRIC)
+
+
+def one_gauge_url(url: str) -> str:
+    """The /metrics URL asking for the gauge alone (prometheus_client's `name[]` filter), so that
+    vLLM's API server, which also streams every token, renders one metric instead of its whole page.
+    vLLM answers the filter at /metrics/, where prometheus_client's own app is mounted; its /metrics
+    route (prometheus-fastapi-instrumentator's) ignores it."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.urlencode({"name[]": METRIC})
+    return urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/", query=query))
+
+
+def reading_url(url: str) -> str:
+    """one_gauge_url where its answer holds the gauge, else the whole page: vLLM's multiprocess
+    metrics (--api-server-count > 1) know no names to filter by, other servers no filter."""
+    try:
+        if read_running(one_gauge_url(url)) is not None:
+            return one_gauge_url(url)
+    except (OSError, promtext.MetricsFormatError):
+        pass
+    return url
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,11 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     deadline = time.perf_counter() + args.max_seconds
+    url = reading_url(args.url)
     try:
         while time.perf_counter() < deadline:
             sent = time.perf_counter()
             try:
-                value = read_running(args.url)
+                value = read_running(url)
             except (OSError, promtext.MetricsFormatError):
                 value = None
             if value is not None:

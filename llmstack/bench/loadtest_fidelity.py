@@ -74,6 +74,7 @@ from llmstack.stats import (
     spread,
 )
 from llmstack.vllm import VLLM_PORT, ComposeStack, HostVllm, add_stack_arguments, served_model, stack_from_args
+from loadtest.running_sampler import one_gauge_url
 from loadtest.settings import RUNNING_SAMPLE_INTERVAL_S
 
 PROG = "loadtest_fidelity.py"
@@ -170,6 +171,7 @@ def snapshot(stack: ComposeStack | HostVllm) -> Snapshot:
 # runs (--running-sample-interval), `vllm bench serve` does not. The reads run where vLLM's Python
 # is; the API server's CPU comes from our own snapshots around them (one of whose renders counts too).
 METRICS_READS = 50
+GAUGE_READS = 200  # cheaper reads: more of them, for the CPU counter's 10 ms ticks
 METRICS_READS_CODE = """
 import json, time, urllib.request
 started = time.perf_counter()
@@ -180,9 +182,20 @@ print(json.dumps({"page_bytes": len(page), "wall_ms_per_read": (time.perf_counte
 
 
 def metrics_read_cost(target: Target) -> dict | None:
-    """METRICS_READS reads' page size, wall time and API-server CPU per read, or None where they
-    could not be had (the run goes on)."""
-    code = f"URL = {target.bench_url + '/metrics'!r}\nREADS = {METRICS_READS}\n" + METRICS_READS_CODE
+    """METRICS_READS reads' page size, wall time and API-server CPU per read, of the whole page
+    (what Prometheus scrapes) and under "gauge_alone" of the harness's read (loadtest.running_sampler:
+    the one gauge, where vLLM honours the filter); None where they could not be had (the run goes on)."""
+    page = target.bench_url + "/metrics"
+    cost = read_cost(target, page, METRICS_READS)
+    if cost is not None:
+        cost["gauge_alone"] = read_cost(target, one_gauge_url(page), GAUGE_READS, cost["api_server_cpu_ms_per_read"])
+    return cost
+
+
+def read_cost(target: Target, url: str, count: int, page_render_ms: float | None = None) -> dict | None:
+    """One URL's reads. The window's CPU holds one render of the whole page too (our snapshots):
+    the page's reads share it out, other reads take it off (page_render_ms)."""
+    code = f"URL = {url!r}\nREADS = {count}\n" + METRICS_READS_CODE
     try:
         before = snapshot(target.stack)
         reads = json.loads(target.stack.python(code))
@@ -191,11 +204,13 @@ def metrics_read_cost(target: Target) -> dict | None:
         progress(f"the cost of a /metrics read is unmeasured: {err}")
         return None
     cpu = before.delta(after, API_SERVER_CPU) if before.has(API_SERVER_CPU) and after.has(API_SERVER_CPU) else None
-    return {
-        "reads": METRICS_READS,
-        **reads,
-        "api_server_cpu_ms_per_read": None if cpu is None else cpu * 1000 / (METRICS_READS + 1),
-    }
+    if cpu is None:
+        per_read = None
+    elif page_render_ms is None:
+        per_read = cpu * 1000 / (count + 1)
+    else:
+        per_read = (cpu * 1000 - page_render_ms) / count
+    return {"reads": count, **reads, "api_server_cpu_ms_per_read": per_read}
 
 
 def server_snapshot(target: Target) -> Snapshot | None:
@@ -855,6 +870,29 @@ def server_phases_table(data: dict) -> str:
     """Per level and client, median (min-max) over the repeats: vLLM's TTFT histogram over that
     client's command split into its phases, the engine's batch and the API server's CPU cost."""
     return settings_phases_table([("", data)])
+
+
+def metrics_read_table(named: list[tuple[str, dict]]) -> str:
+    """What one read of vLLM's /metrics cost its idle API server, command by command: the whole
+    page, and the gauge alone as the harness now reads it (environment.vllm_metrics_read)."""
+
+    def cells(cost: dict | None) -> list[str]:
+        if not cost:
+            return ["-", "-", "-", "-"]
+        return [
+            f"{cost['reads']}",
+            f"{cost['page_bytes']:,}",
+            f"{cost['wall_ms_per_read']:.2f}",
+            "-" if cost["api_server_cpu_ms_per_read"] is None else f"{cost['api_server_cpu_ms_per_read']:.2f}",
+        ]
+
+    rows = []
+    for name, data in named:
+        page = data["environment"].get("vllm_metrics_read")
+        rows.append([name, *cells(page), *cells((page or {}).get("gauge_alone"))])
+    headers = ["Command", "page reads", "page bytes", "page wall ms", "page API server CPU ms"]
+    headers += ["gauge reads", "gauge bytes", "gauge wall ms", "gauge API server CPU ms"]
+    return md_table(headers, rows)
 
 
 def settings_phases_table(groups: list[tuple[str, dict]]) -> str:

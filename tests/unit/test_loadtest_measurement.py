@@ -589,3 +589,43 @@ def test_the_experiments_entry_point_loads_no_ssl_before_locust_patches_it():
     probe = "import sys, loadtest.experiments; print(sorted({'ssl', 'urllib3', 'requests'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_the_running_sampler_asks_for_one_gauge_and_falls_back_to_the_page():
+    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+    from loadtest.running_sampler import METRIC, one_gauge_url, read_running, reading_url
+
+    # prometheus_client's own server, as vLLM mounts it at /metrics/: it honours name[].
+    registry = CollectorRegistry()
+    Gauge(METRIC, "running", registry=registry).set(3)
+    Gauge("vllm:kv_cache_usage_perc", "other", registry=registry).set(0.5)
+    server, _thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        assert reading_url(url) == one_gauge_url(url) == url + "/?name%5B%5D=vllm%3Anum_requests_running"
+        page = requests.get(one_gauge_url(url), timeout=5).text
+        assert METRIC in page and "kv_cache_usage_perc" not in page
+        assert read_running(reading_url(url)) == 3
+    finally:
+        server.shutdown()
+
+    # A server with the page at /metrics only: the sampler reads the whole page.
+    class PageOnly(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = f"# TYPE {METRIC} gauge\n{METRIC} 2.0\n".encode() if self.path == "/metrics" else b""
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    page_only = ThreadingHTTPServer(("127.0.0.1", 0), PageOnly)
+    threading.Thread(target=page_only.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{page_only.server_port}/metrics"
+        assert reading_url(url) == url and read_running(url) == 2
+    finally:
+        page_only.shutdown()
