@@ -451,6 +451,15 @@ GENERATORS["running-sample-interval-cpu"] = Generator(SAMPLE_INTERVAL_CPU, sampl
 # The same A/B at saturation on an H100: 512 clients (8 requests a client), 256 clients (4).
 for _folder in ("running-sample-interval-h100", "running-sample-interval-h100-256"):
     GENERATORS[_folder] = Generator(f"docs/loadtest/{_folder}", sample_interval_ab, by_name=True)  # type: ignore[arg-type]
+# What a /metrics read costs vLLM's API server on the CPU stack: the page and the gauge alone.
+GAUGE_READ_CPU = "docs/loadtest/gauge-read-cpu"
+GENERATORS["gauge-read-cpu"] = Generator(
+    GAUGE_READ_CPU,
+    lambda results: loadtest_fidelity.metrics_read_table(list(results.items())),  # type: ignore[attr-defined]
+    by_name=True,
+)
+# The gauge-alone poll at 0.1 s against 0.5 s on the CPU stack, A/B interleaved (NN-interval-S.json).
+GENERATORS["gauge-interval-cpu"] = Generator("docs/loadtest/gauge-interval-cpu", sample_interval_ab, by_name=True)  # type: ignore[arg-type]
 # The ladder at the 0.5 s default on that lease, with each client's phases on the server.
 POLL_LADDER = "docs/loadtest/fidelity-h100-poll-0.5.json"
 for _suffix, _table in (*SAME_REQUESTS_TABLES, ("-phases", loadtest_fidelity.server_phases_table)):
