@@ -38,9 +38,10 @@ def one_gauge_url(url: str) -> str:
 def reading_url(url: str) -> str:
     """one_gauge_url where its answer holds the gauge, else the whole page: vLLM's multiprocess
     metrics (--api-server-count > 1) know no names to filter by, other servers no filter."""
+    gauge_alone = one_gauge_url(url)
     try:
-        if read_running(one_gauge_url(url)) is not None:
-            return one_gauge_url(url)
+        if read_running(gauge_alone) is not None:
+            return gauge_alone
     except (OSError, promtext.MetricsFormatError):
         pass
     return url

@@ -182,9 +182,10 @@ print(json.dumps({"page_bytes": len(page), "wall_ms_per_read": (time.perf_counte
 
 
 def metrics_read_cost(target: Target) -> dict | None:
-    """METRICS_READS reads' page size, wall time and API-server CPU per read, of the whole page
-    (what Prometheus scrapes) and under "gauge_alone" of the harness's read (loadtest.running_sampler:
-    the one gauge, where vLLM honours the filter); None where they could not be had (the run goes on)."""
+    """Page size, wall time and API-server CPU per read: METRICS_READS reads of the whole page (what
+    Prometheus scrapes) and, under "gauge_alone", GAUGE_READS of the harness's read
+    (loadtest.running_sampler: the one gauge, where vLLM honours the filter); None where they could
+    not be had (the run goes on)."""
     page = target.bench_url + "/metrics"
     cost = read_cost(target, page, METRICS_READS)
     if cost is not None:
